@@ -1,0 +1,8 @@
+/* Python method tables, one per binding file, merged by module.c. */
+#pragma once
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+extern PyMethodDef kernel_methods[];      /* py_kernels.c: packing and matmul kernels */
+extern PyMethodDef plan_module_methods[]; /* py_plan.c: arenas, pools, plans */
+int kiln_plan_add_types(PyObject *module);

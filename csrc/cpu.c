@@ -1,0 +1,144 @@
+/* Instruction-set detection and forcing, kernel dispatch, activation sizes, huge-page buffers. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "kernels.h"
+
+#if KILN_X86
+#include <cpuid.h>
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (uint64_t)hi << 32 | lo;
+}
+#endif
+
+const char *kiln_isa_missing(kiln_isa isa) {
+    if (isa == ISA_GENERIC) return NULL;
+#if KILN_X86
+    unsigned a, b, c, d, b7 = 0, c7 = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid";
+    if (__get_cpuid_max(0, NULL) >= 7) __cpuid_count(7, 0, a, b7, c7, d);
+    if (!(c & bit_AVX)) return "avx";
+    if (!(b7 & bit_AVX2)) return "avx2";
+    if (!(c & bit_FMA)) return "fma";
+    if (!(c & bit_F16C)) return "f16c";
+    if (!(c & bit_OSXSAVE) || (xgetbv0() & 6) != 6) return "OS support for avx (xsave of ymm state)";
+    if (isa == ISA_AVX2) return NULL;
+    if (!(b7 & bit_AVX512F)) return "avx512f";
+    if (!(b7 & bit_AVX512BW)) return "avx512bw";
+    if (!(b7 & bit_AVX512VL)) return "avx512vl";
+    if (!(b7 & bit_AVX512DQ)) return "avx512dq";
+    if (!(c7 & bit_AVX512VNNI)) return "avx512vnni";
+    if ((xgetbv0() & 0xe6) != 0xe6) return "OS support for avx512 (xsave of zmm state)";
+    return NULL;
+#else
+    return isa == ISA_AVX2 ? "avx2 (not an x86 CPU)" : "avx512 (not an x86 CPU)";
+#endif
+}
+
+kiln_isa kiln_detect_isa(void) {
+    return !kiln_isa_missing(ISA_AVX512) ? ISA_AVX512 : !kiln_isa_missing(ISA_AVX2) ? ISA_AVX2 : ISA_GENERIC;
+}
+
+const char *kiln_isa_name(kiln_isa isa) {
+    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "generic";
+}
+
+/* -1 until first use; every thread that races the first use computes the same value. */
+static int active = -1;
+static char env_error[128];
+
+kiln_isa kiln_active_isa(void) {
+    if (active >= 0) return (kiln_isa)active;
+    kiln_isa isa = kiln_detect_isa();
+    const char *env = getenv("KILN_ISA");
+    if (env && *env) {
+        int want = !strcmp(env, "generic") ? ISA_GENERIC : !strcmp(env, "avx2") ? ISA_AVX2 : !strcmp(env, "avx512") ? ISA_AVX512 : -1;
+        const char *missing = want >= 0 ? kiln_isa_missing((kiln_isa)want) : NULL;
+        if (want < 0)
+            snprintf(env_error, sizeof env_error, "KILN_ISA=%.40s: expected generic, avx2 or avx512", env);
+        else if (missing)
+            snprintf(env_error, sizeof env_error, "KILN_ISA=%s: CPU lacks %s", env, missing);
+        else
+            isa = (kiln_isa)want;
+    }
+    active = isa;
+    return isa;
+}
+
+const char *kiln_isa_error(void) {
+    kiln_active_isa();
+    return env_error[0] ? env_error : NULL;
+}
+
+int kiln_force_isa(kiln_isa isa) {
+    if (kiln_isa_missing(isa)) return -1;
+    active = isa;
+    env_error[0] = 0; /* an explicit choice supersedes KILN_ISA */
+    return 0;
+}
+
+/* ---- activations ---- */
+
+int kiln_act_kind(kiln_wfmt f) { return kiln_fmt_is_float(f) ? KILN_ACT_F32 : KILN_ACT_Q8; }
+
+size_t kiln_act_stride(kiln_wfmt f, int cols) {
+    if (kiln_act_kind(f) == KILN_ACT_F32) return (size_t)(cols + KILN_FCHUNK - 1) / KILN_FCHUNK * KILN_FCHUNK * 4;
+    return (size_t)(cols + KILN_GROUP - 1) / KILN_GROUP * KILN_AG_BYTES;
+}
+
+size_t kiln_act_size(kiln_wfmt f, int cols, int n_tok) { return kiln_act_stride(f, cols) * n_tok; }
+
+void kiln_quantize_act(kiln_wfmt f, const float *x, int ldx, int cols, int n_tok, void *act) {
+#if KILN_X86
+    if (kiln_active_isa() != ISA_GENERIC) {
+        kiln_quantize_act_avx2(f, x, ldx, cols, n_tok, act);
+        return;
+    }
+#endif
+    kiln_quantize_act_generic(f, x, ldx, cols, n_tok, act);
+}
+
+void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    switch (kiln_active_isa()) {
+#if KILN_X86
+    case ISA_AVX512: kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1); return;
+    case ISA_AVX2: kiln_matmul_avx2(w, act, n_tok, y, ldy, tile0, tile1); return;
+#endif
+    default: kiln_matmul_generic(w, act, n_tok, y, ldy, tile0, tile1);
+    }
+}
+
+/* ---- memory ---- */
+
+#define HUGE_PAGE ((size_t)2 << 20)
+
+void *kiln_alloc_huge(size_t size) {
+    void *p = NULL;
+    size_t n = (size + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    if (!n || posix_memalign(&p, HUGE_PAGE, n)) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, n, MADV_HUGEPAGE); /* advice only: without THP the buffer still works */
+#endif
+    return p;
+}
+
+void kiln_free_huge(void *p) { free(p); }
+
+uint64_t kiln_mem_read(const void *p, size_t size) {
+    /* Four independent xor chains over 8-byte words: the compiler vectorises this into wide loads. */
+    const uint64_t *w = (const uint64_t *)p;
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    size_t n = size / 32;
+    for (size_t i = 0; i < n; i++) {
+        a ^= w[4 * i];
+        b ^= w[4 * i + 1];
+        c ^= w[4 * i + 2];
+        d ^= w[4 * i + 3];
+    }
+    return a ^ b ^ c ^ d;
+}

@@ -1,0 +1,225 @@
+/* AVX-512 (F, BW, VL) + VNNI kernels on the same packed layout as AVX2, bit for bit the same results.
+
+   A 64-byte load covers two chunks (2i, 2i+1) of a group; vpdpbusd multiplies unsigned weight bytes
+   by signed activation bytes and adds each group of 4 into an i32 lane without saturation, so the
+   16 lanes hold two half-sums per block, folded to 8 lanes (one per block) before the same float
+   steps as the AVX2 kernels. Q8 weights are offset to unsigned (w ^ 0x80 = w + 128) and
+   128 * sum32 is subtracted, which needs no sign trick. Activations are quantized by the AVX2 code. */
+#if KILN_X86
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define ALWAYS static inline __attribute__((always_inline))
+#define TB 16 /* tokens per block */
+#define TC 8  /* tiles per block */
+
+typedef struct {
+    __m512i w[4];    /* chunk pairs (0,1), (2,3), (4,5), (6,7): unsigned bytes */
+    __m256i sc, sc2; /* Q4K/Q5K: sc_j; Q6K: sc_2j and sc_2j+1 (i32 per lane) */
+    __m256i sc16;    /* Q6K: (sc_2j, sc_2j+1) i16 pairs, for the offset correction */
+    __m256 d, m;
+} wrow;
+
+ALWAYS __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS __m256 f16x1(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _mm256_set1_ps(_cvtsh_ss(v)); }
+ALWAYS __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS __m512i ld512(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+/* Chunks c and c+1 of a region with chunk stride cs (contiguous in a full group). */
+ALWAYS __m512i pair(const uint8_t *q, int c, int cs) {
+    return cs == 32 ? ld512(q + 32 * c) : halves(ld256(q + c * cs), ld256(q + (c + 1) * cs));
+}
+ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
+/* As prep() in kern_avx2.c, including the reads past a short group's data. */
+ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *p) {
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    int cs = 4 * nb;
+    if (f == WF_Q8)
+        for (int i = 0; i < 4; i++) p->w[i] = _mm512_xor_si512(pair(q, 2 * i, cs), _mm512_set1_epi8((char)0x80));
+    else
+        for (int i = 0; i < 2; i++) { /* slots 2i, 2i+1: low nibbles chunks 2i, 2i+1; high 2i+4, 2i+5 */
+            __m512i v = pair(q, 2 * i, cs);
+            p->w[i] = _mm512_and_si512(v, lo4);
+            p->w[i + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        }
+    if (f == WF_Q5 || f == WF_Q5K) { /* bit k of the high-bit byte -> +16 in chunk k */
+        __m512i hb = _mm512_broadcast_i64x4(ld256(q + 16 * nb));
+        for (int i = 0; i < 4; i++) {
+            __m512i sel = halves(_mm256_set1_epi8((char)(1 << 2 * i)), _mm256_set1_epi8((char)(1 << (2 * i + 1))));
+            p->w[i] = _mm512_mask_add_epi8(p->w[i], _mm512_test_epi8_mask(hb, sel), p->w[i], _mm512_set1_epi8(16));
+        }
+    }
+    if (f == WF_Q6K) { /* half h, bits 2m..2m+1 -> bits 4-5 of chunk 4h+m */
+        const __m512i bits45 = _mm512_set1_epi8(0x30);
+        const __m512i up = halves(_mm256_set1_epi16(4), _mm256_set1_epi16(2)), down = halves(_mm256_set1_epi16(0), _mm256_set1_epi16(2));
+        for (int hf = 0; hf < 2; hf++) {
+            __m512i hb = _mm512_broadcast_i64x4(ld256(q + 128 + 32 * hf));
+            p->w[2 * hf] = _mm512_or_si512(p->w[2 * hf], _mm512_and_si512(_mm512_sllv_epi16(hb, up), bits45));
+            p->w[2 * hf + 1] = _mm512_or_si512(p->w[2 * hf + 1], _mm512_and_si512(_mm512_srlv_epi16(hb, down), bits45));
+        }
+    }
+    switch (f) {
+    case WF_Q4K: case WF_Q5K:
+        p->sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4)));
+        p->d = f16x1(h);
+        p->m = _mm256_mul_ps(f16x1(h + 2), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
+        break;
+    case WF_Q6K:
+        p->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(h + 2)));
+        p->sc = _mm256_srai_epi32(_mm256_slli_epi32(p->sc16, 16), 16);
+        p->sc2 = _mm256_srai_epi32(p->sc16, 16);
+        p->d = f16x1(h);
+        break;
+    default:
+        p->d = f16x8(h);
+        if (f == WF_Q4) p->m = f16x8(h + 2 * nb);
+        if (nb < 8) {
+            __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            p->d = _mm256_and_ps(p->d, mask);
+            if (f == WF_Q4) p->m = _mm256_and_ps(p->m, mask);
+        }
+    }
+}
+
+ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
+    __m512i a[4];
+    for (int i = 0; i < 4; i++) a[i] = ld512(ag + 64 * i);
+    __m256i i32, sum32 = ld256(ag + KILN_AG_SUM32);
+    if (f == WF_Q6K) { /* chunks 0-3: sub-block 2j; chunks 4-7: sub-block 2j+1 */
+        __m256i A = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]), p->w[1], a[1]));
+        __m256i B = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[2], a[2]), p->w[3], a[3]));
+        i32 = _mm256_add_epi32(_mm256_mullo_epi32(A, p->sc), _mm256_mullo_epi32(B, p->sc2));
+        i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(_mm256_madd_epi16(p->sc16, ld256(ag + KILN_AG_SUM16)), 5));
+    } else {
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]);
+        for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], a[i]);
+        i32 = fold(s);
+        if (f == WF_Q4K || f == WF_Q5K) i32 = _mm256_mullo_epi32(i32, p->sc);
+        if (f == WF_Q4S) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+        if (f == WF_Q5) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+        if (f == WF_Q8) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+    }
+    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
+    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    return acc;
+}
+
+ALWAYS __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+ALWAYS void store_rows(float *y, __m128 v, int n) {
+    if (n >= 4) {
+        _mm_storeu_ps(y, v);
+        return;
+    }
+    float t[4];
+    _mm_storeu_ps(t, v);
+    for (int i = 0; i < n; i++) y[i] = t[i];
+}
+
+ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
+    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
+    int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
+    __m256 acc[4][TB];
+    for (int r = 0; r < 4; r++)
+        for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
+        for (int r = 0; r < 4; r++) {
+            wrow w;
+            prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
+            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+        }
+    }
+    if (nt) {
+        const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
+        int hb = kiln_fmt_head_bytes(f, nt), qb = kiln_fmt_quant_bytes(f, nt);
+        for (int r = 0; r < 4; r++) {
+            wrow w;
+            prep(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
+            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+        }
+    }
+    for (int t = 0; t < n; t++) store_rows(y + t * ldy, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), nrows);
+}
+
+/* Float formats: one 16-lane accumulator per row and token (= the AVX2 lo/hi pair). */
+ALWAYS __m512 fload(kiln_wfmt f, const uint8_t *p) {
+    if (f == WF_F32) return _mm512_loadu_ps((const float *)p);
+    if (f == WF_F16) return _mm512_cvtph_ps(ld256(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld256(p)), 16));
+}
+
+ALWAYS __m256 fold_ps(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); }
+
+ALWAYS void ftile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
+    const int es = kiln_fmt_elem_bytes(f), RB = KILN_FCHUNK * es, CB = 4 * RB;
+    int nchunk = (cols + KILN_FCHUNK - 1) / KILN_FCHUNK;
+    size_t xs = stride / 4;
+    const float *x = (const float *)act;
+    for (int t = 0; t < n; t += 2) { /* 4 rows x 2 tokens */
+        int ntk = n - t < 2 ? n - t : 2;
+        __m512 acc[4][2];
+        for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int c = 0; c < nchunk; c++) {
+            const uint8_t *p = tile + c * CB;
+            for (int r = 0; r < 4; r++) {
+                __m512 wv = fload(f, p + r * RB);
+                for (int k = 0; k < ntk; k++) acc[r][k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (t + k) * xs + c * KILN_FCHUNK), acc[r][k]);
+            }
+        }
+        for (int k = 0; k < ntk; k++)
+            store_rows(y + (t + k) * ldy, reduce4(fold_ps(acc[0][k]), fold_ps(acc[1][k]), fold_ps(acc[2][k]), fold_ps(acc[3][k])), nrows);
+    }
+}
+
+ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    size_t stride = kiln_act_stride(f, w->cols);
+    if (n_tok == 1) {
+        for (int ti = tile0; ti < tile1; ti++) {
+            const uint8_t *tile = w->data + ti * w->tile_bytes;
+            if (kiln_fmt_is_float(f))
+                ftile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, w->rows - 4 * ti);
+            else
+                qtile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, w->rows - 4 * ti);
+        }
+        return;
+    }
+    for (int tc = tile0; tc < tile1; tc += TC)
+        for (int t0 = 0; t0 < n_tok; t0 += TB) {
+            int n = n_tok - t0 < TB ? n_tok - t0 : TB;
+            for (int ti = tc; ti < tile1 && ti < tc + TC; ti++) {
+                const uint8_t *tile = w->data + ti * w->tile_bytes;
+                float *yt = y + (size_t)t0 * ldy + 4 * ti;
+                if (kiln_fmt_is_float(f))
+                    ftile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, w->rows - 4 * ti);
+                else
+                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, w->rows - 4 * ti);
+            }
+        }
+}
+
+void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    switch (w->fmt) {
+    case WF_F32: run(WF_F32, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_F16: run(WF_F16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_BF16: run(WF_BF16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q4: run(WF_Q4, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q4S: run(WF_Q4S, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q5: run(WF_Q5, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q8: run(WF_Q8, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q4K: run(WF_Q4K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q5K: run(WF_Q5K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case WF_Q6K: run(WF_Q6K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    default: break;
+    }
+}
+#endif

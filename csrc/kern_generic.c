@@ -1,0 +1,147 @@
+/* Scalar reference kernels: the definition every SIMD variant must reproduce bit for bit.
+
+   Per row and token, 8 float lanes (lane j = block j of each group) accumulate one fused multiply-add
+   per block of the exact integer block sum, plus one for the affine minimum; the lanes are then
+   summed as ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)). Float formats use 16 lanes (a column chunk),
+   folded as lane l + lane l+8 first. */
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline float rdf16(const uint8_t *p) { return kiln_f16_to_f32(rd16(p)); }
+static inline float rdf32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+
+/* Byte of weight i of block j in a chunked region of nb blocks. */
+static inline int lane_byte(int nb, int j, int i) { return (i >> 2) * 4 * nb + 4 * j + (i & 3); }
+
+/* Stored unsigned value of weight i of block j (4, 5 or 6 bits) of one row's quants q. */
+static int stored_q(kiln_wfmt f, const uint8_t *q, int nb, int j, int i) {
+    int k = i >> 2, b = 4 * j + (i & 3);
+    int v = (q[(k & 3) * 4 * nb + b] >> (k >= 4 ? 4 : 0)) & 15;
+    if (f == WF_Q5 || f == WF_Q5K) v |= ((q[16 * nb + b] >> k) & 1) << 4;
+    if (f == WF_Q6K) v |= ((q[128 + (k >> 2) * 32 + b] >> (2 * (k & 3))) & 3) << 4;
+    return v;
+}
+
+/* Accumulate one row's group (header h, quants q, nb blocks) against activation group ag. */
+static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, const uint8_t *ag, float acc[8]) {
+    for (int j = 0; j < nb; j++) {
+        int32_t isum = 0;
+        for (int i = 0; i < 32; i++) {
+            int x = (int8_t)ag[lane_byte(8, j, i)], w;
+            switch (f) {
+            case WF_Q4S: w = stored_q(f, q, nb, j, i) - 8; break;
+            case WF_Q5: w = stored_q(f, q, nb, j, i) - 16; break;
+            case WF_Q8: w = (int8_t)q[lane_byte(nb, j, i)]; break;
+            case WF_Q6K: w = ((int8_t)h[2 + 2 * j + i / 16]) * (stored_q(f, q, nb, j, i) - 32); break;
+            default: w = stored_q(f, q, nb, j, i); /* Q4, Q4K, Q5K: unsigned, scale / min below */
+            }
+            isum += w * x;
+        }
+        float dx = rdf32(ag + KILN_AG_D + 4 * j), sx = rdf32(ag + KILN_AG_S + 4 * j);
+        switch (f) {
+        case WF_Q4:
+            acc[j] = fmaf((float)isum, rdf16(h + 2 * j) * dx, acc[j]);
+            acc[j] = fmaf(rdf16(h + 2 * nb + 2 * j), sx, acc[j]);
+            break;
+        case WF_Q4K: case WF_Q5K:
+            acc[j] = fmaf((float)(isum * h[4 + j]), rdf16(h) * dx, acc[j]);
+            acc[j] = fmaf(-(rdf16(h + 2) * (float)h[12 + j]), sx, acc[j]);
+            break;
+        case WF_Q6K:
+            acc[j] = fmaf((float)isum, rdf16(h) * dx, acc[j]);
+            break;
+        default:
+            acc[j] = fmaf((float)isum, rdf16(h + 2 * j) * dx, acc[j]);
+        }
+    }
+}
+
+static float reduce8(const float a[8]) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+static float load_weight(kiln_wfmt f, const uint8_t *p) {
+    if (f == WF_F32) return rdf32(p);
+    if (f == WF_F16) return rdf16(p);
+    uint32_t bits = (uint32_t)rd16(p) << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    kiln_wfmt f = w->fmt;
+    size_t stride = kiln_act_stride(f, w->cols);
+    for (int ti = tile0; ti < tile1; ti++) {
+        const uint8_t *tile = w->data + ti * w->tile_bytes;
+        for (int r = 0; r < 4 && 4 * ti + r < w->rows; r++)
+            for (int t = 0; t < n_tok; t++) {
+                const uint8_t *a = (const uint8_t *)act + t * stride;
+                float out;
+                if (kiln_fmt_is_float(f)) {
+                    int es = kiln_fmt_elem_bytes(f), nchunk = (w->cols + KILN_FCHUNK - 1) / KILN_FCHUNK;
+                    float acc[16] = {0}, a8[8];
+                    for (int c = 0; c < nchunk; c++)
+                        for (int l = 0; l < 16; l++) {
+                            const uint8_t *wp = tile + (((size_t)c * 4 + r) * KILN_FCHUNK + l) * es;
+                            acc[l] = fmaf(load_weight(f, wp), rdf32(a + ((size_t)c * KILN_FCHUNK + l) * 4), acc[l]);
+                        }
+                    for (int l = 0; l < 8; l++) a8[l] = acc[l] + acc[l + 8];
+                    out = reduce8(a8);
+                } else {
+                    float acc[8] = {0};
+                    const uint8_t *p = tile;
+                    int G = w->cols / KILN_GROUP, nt = w->cols % KILN_GROUP / 32;
+                    for (int g = 0; g <= G; g++) {
+                        int nb = g < G ? 8 : nt;
+                        if (!nb) break;
+                        int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
+                        group_dot(f, p + r * hb, p + 4 * hb + r * qb, nb, a + (size_t)g * KILN_AG_BYTES, acc);
+                        p += 4 * (hb + qb);
+                    }
+                    out = reduce8(acc);
+                }
+                y[(size_t)t * ldy + 4 * ti + r] = out;
+            }
+    }
+}
+
+/* One block of 32 activations -> quants at lane order in group ag, block j. */
+static void quantize_block(const float *x, uint8_t *ag, int j) {
+    float amax = 0;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+    int32_t sum[2] = {0, 0};
+    for (int i = 0; i < 32; i++) {
+        int q = (int)rintf(x[i] * id);
+        ag[lane_byte(8, j, i)] = (uint8_t)(int8_t)q;
+        sum[i >> 4] += q;
+    }
+    int32_t s32 = sum[0] + sum[1];
+    int16_t s16[2] = {(int16_t)sum[0], (int16_t)sum[1]};
+    float s = d * (float)s32;
+    memcpy(ag + KILN_AG_D + 4 * j, &d, 4);
+    memcpy(ag + KILN_AG_S + 4 * j, &s, 4);
+    memcpy(ag + KILN_AG_SUM32 + 4 * j, &s32, 4);
+    memcpy(ag + KILN_AG_SUM16 + 4 * j, s16, 4);
+}
+
+void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, int n_tok, void *act) {
+    size_t stride = kiln_act_stride(f, cols);
+    for (int t = 0; t < n_tok; t++) {
+        const float *xr = x + (size_t)t * ldx;
+        uint8_t *a = (uint8_t *)act + t * stride;
+        if (kiln_act_kind(f) == KILN_ACT_F32) {
+            memset(a, 0, stride);
+            memcpy(a, xr, (size_t)cols * 4);
+            continue;
+        }
+        for (int g = 0; g * KILN_GROUP < cols; g++) {
+            uint8_t *ag = a + (size_t)g * KILN_AG_BYTES;
+            int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+            if (nb < 8) memset(ag, 0, KILN_AG_BYTES);
+            for (int j = 0; j < nb; j++) quantize_block(xr + g * KILN_GROUP + 32 * j, ag, j);
+        }
+    }
+}

@@ -1,0 +1,165 @@
+/* Weight repacking and quantized matrix-vector / matrix-matrix kernels.
+
+   GGUF stores each row's blocks one after another. kiln repacks them once into kernel formats where
+   4 rows are interleaved ("a tile"), each block's scales sit next to its quants, and one worker reads
+   one sequential stream of memory. Kernels exist per instruction set (generic C, AVX2, AVX-512 VNNI);
+   all read the same packed bytes, so a repack cache does not depend on the CPU, and all produce
+   bit-identical results: integer dot products are exact, and the float steps (one fused multiply-add
+   per block into 8 lanes, then a fixed reduction tree) are the same sequence in every variant. A
+   token's result does not depend on how many tokens share the call either.
+
+   ---- Tiles --------------------------------------------------------------------------------------
+   rows_padded = rows rounded up to 4; padding rows are zero. Tile i (rows 4i..4i+3) is tile_bytes
+   long at data + i*tile_bytes. kiln_pack_size() is the tiles plus KILN_PACK_SLACK bytes that the
+   kernels may read past the last tile (never use): keep it when placing packed data elsewhere.
+
+   ---- Integer formats: groups of 8 blocks of 32 weights (256 weights) -------------------------------
+   A tile is cols/256 full groups, then (cols%256 != 0) one short group of nb = (cols%256)/32 blocks.
+   A group is [H_0 H_1 H_2 H_3][Q_0 Q_1 Q_2 Q_3]: the 4 rows' headers, then the 4 rows' quants.
+
+   Lane order. Inside a group, weights are stored "lane per block": chunk k (k = 0..7) holds weights
+   4k..4k+3 of every block, block j at bytes 4j..4j+3. So weight i of block j sits at chunk i/4,
+   byte 4j + i%4, and a 32-bit SIMD lane j sees only block j: maddubs / madd (or vpdpbusd) leave one
+   block sum per lane, and one convert + one FMA per 8 blocks applies a vector of scales. A chunk is
+   4*nb bytes (32 in a full group). Chunks 0..3 hold weights 0..15 of each block and chunks 4..7
+   weights 16..31, which is what Q6_K's 16-weight sub-blocks need.
+
+   Nibbles (4-bit fields): "slot" L (L = 0..3) is 4*nb bytes; its low nibbles are chunk L and its
+   high nibbles chunk L+4. One 32-byte load gives two chunks with one shift; a 64-byte load (AVX-512)
+   gives chunks L, L+1 (low) and L+4, L+5 (high), matching two consecutive activation chunks.
+   High bits (Q5, Q5K): 4*nb bytes; bit k of byte b is the 5th bit of byte b of chunk k.
+   Two high bits (Q6K): 2 x 32 bytes; in half h (chunks 4h..4h+3) bits 2m..2m+1 of byte b are the
+   high bits of byte b of chunk 4h+m.
+
+   Per row, in a group of nb blocks (all d/m fp16, one per block, in block order):
+     WF_Q4S (Q4_0)  H: d[nb]            Q: nibbles 16nb            w = d*(q-8)        18 B/block
+     WF_Q4  (Q4_1)  H: d[nb] m[nb]      Q: nibbles 16nb            w = d*q + m        20 B/block
+     WF_Q5  (Q5_0)  H: d[nb]            Q: nibbles 16nb, high 4nb  w = d*(q-16)       22 B/block
+     WF_Q8  (Q8_0)  H: d[nb]            Q: int8 32nb (chunks)      w = d*q            34 B/block
+   K-quants (cols % 256 == 0; a group is one super-block of 256):
+     WF_Q4K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
+                    w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
+     WF_Q5K (Q5_K)  H: as Q4K                               Q: nibbles 128, high 32   180 B/256
+     WF_Q6K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
+                    w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
+
+   ---- Float formats ---------------------------------------------------------------------------------
+   WF_F32 / WF_F16 / WF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
+   columns, each chunk 4 rows x 16 values. Activations are fp32.
+
+   ---- Activations ---------------------------------------------------------------------------------------
+   kiln_act_kind(fmt) names the layout a format consumes; formats of one kind share an activation
+   buffer (quantize once, reuse it for q, k and v). kiln_act_size(fmt, cols, n) = n * stride.
+     KILN_ACT_F32: per token, cols fp32 padded with zeros to a multiple of 16.
+     KILN_ACT_Q8 (every integer format): per token, ceil(cols/256) groups of 384 bytes:
+        qs[256] int8 in the lane order above | d[8] f32 | s[8] f32 = d*sum32 | sum32[8] i32 |
+        sum16[16] i16 (sums of each block's two 16-halves, so 32-bit lane j = block j's pair).
+        q = round-to-nearest-even(x * (1/d)) with d = max|x|/127 over each block of 32. A short last
+        group is padded with zero blocks.
+   Activation sums let affine and offset formats fold their minimum in once per block: Q4 adds
+   m * s, Q4S/Q5 subtract 8/16 * sum32 in the integer sum, Q6K subtracts 32 * sc . sum16.
+*/
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
+/* WF_Q4S is last so the other values keep the numbering the executor was written against. */
+typedef enum { WF_F32, WF_F16, WF_BF16, WF_Q4, WF_Q4K, WF_Q5, WF_Q5K, WF_Q8, WF_Q6K, WF_Q4S, WF_COUNT } kiln_wfmt;
+typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
+typedef struct {
+    kiln_wfmt fmt;
+    int rows, cols, rows_padded;
+    size_t tile_bytes;
+    const uint8_t *data;
+} kiln_wmat;
+
+/* ---- ISA (cpu.c) ---- */
+kiln_isa kiln_detect_isa(void); /* best the CPU supports */
+/* Detected, or forced by env KILN_ISA=generic|avx2|avx512 or kiln_force_isa(). An unusable KILN_ISA
+   leaves the detected ISA active and kiln_isa_error() says why. */
+kiln_isa kiln_active_isa(void);
+int kiln_force_isa(kiln_isa isa);          /* 0, or -1 if the CPU lacks it */
+const char *kiln_isa_missing(kiln_isa isa); /* NULL if supported, else the first missing feature */
+const char *kiln_isa_error(void);           /* NULL, or why KILN_ISA could not be honoured */
+const char *kiln_isa_name(kiln_isa isa);
+
+/* ---- Packing (pack.c) ---- */
+#define KILN_TILE_ROWS 4
+#define KILN_PACK_SLACK 64
+int kiln_wfmt_for_ggml(int ggml_type); /* -1 if unsupported */
+size_t kiln_pack_size(int ggml_type, int rows, int cols); /* 0 if the type or shape is unsupported */
+size_t kiln_ggml_row_bytes(int ggml_type, int cols);      /* GGUF bytes of one row; 0 if unsupported */
+/* src: GGUF bytes, row-major. dst: kiln_pack_size bytes. Returns 0, or -1 for a bad type/shape. */
+int kiln_pack(int ggml_type, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_wmat *out);
+
+/* ---- Activations and matmul (dispatch in cpu.c) ---- */
+int kiln_act_kind(kiln_wfmt fmt);
+size_t kiln_act_stride(kiln_wfmt fmt, int cols); /* bytes per token */
+size_t kiln_act_size(kiln_wfmt fmt, int cols, int n_tok);
+void kiln_quantize_act(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+/* y[t*ldy + r] = dot(row r of w, activation t) for rows r in [tile0*4, min(tile1*4, rows)), t < n_tok.
+   Safe from several threads on disjoint tile ranges, allocates nothing, deterministic. */
+void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+
+/* ---- Memory (cpu.c) ---- */
+void *kiln_alloc_huge(size_t size); /* 2 MiB-aligned, transparent huge pages advised; NULL on failure */
+void kiln_free_huge(void *p);
+uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (bandwidth reference) */
+
+/* ---- Internal: shared by the kernel files ---- */
+#define KILN_GROUP 256           /* weights per group / super-block */
+#define KILN_FCHUNK 16           /* columns per chunk of the float formats */
+#define KILN_AG_BYTES 384        /* one activation group */
+#define KILN_AG_D 256            /* offsets inside an activation group */
+#define KILN_AG_S 288
+#define KILN_AG_SUM32 320
+#define KILN_AG_SUM16 352
+
+static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
+static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
+
+/* Bytes per row of one group of nb blocks (K-quants: nb = 8), split into header and quants. */
+static inline int kiln_fmt_head_bytes(kiln_wfmt f, int nb) {
+    switch (f) {
+    case WF_Q4: return 4 * nb;
+    case WF_Q4S: case WF_Q5: case WF_Q8: return 2 * nb;
+    case WF_Q4K: case WF_Q5K: return 20;
+    case WF_Q6K: return 18;
+    default: return 0;
+    }
+}
+static inline int kiln_fmt_quant_bytes(kiln_wfmt f, int nb) {
+    switch (f) {
+    case WF_Q4: case WF_Q4S: case WF_Q4K: return 16 * nb;
+    case WF_Q5: case WF_Q5K: return 20 * nb;
+    case WF_Q8: return 32 * nb;
+    case WF_Q6K: return 24 * nb;
+    default: return 0;
+    }
+}
+
+static inline float kiln_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000u | (man << 13); /* inf / nan */
+    else if (exp)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man)
+        bits = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    union { uint32_t u; float f; } v = {bits};
+    return v.f;
+}
+
+void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+void kiln_quantize_act_generic(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+#if KILN_X86
+void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+void kiln_quantize_act_avx2(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+#endif

@@ -1,0 +1,225 @@
+/* GGUF blocks -> kiln's kernel layouts (see kernels.h for the byte maps).
+
+   Each row's group is first decoded into plain per-weight integers and per-block fields, then
+   written in lane order; decoding and layout stay separate, so each is simple to check. */
+#include <string.h>
+
+#include "kernels.h"
+
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q8_0 = 8,
+       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30 };
+
+int kiln_wfmt_for_ggml(int t) {
+    switch (t) {
+    case GGML_F32: return WF_F32;
+    case GGML_F16: return WF_F16;
+    case GGML_BF16: return WF_BF16;
+    case GGML_Q4_0: return WF_Q4S;
+    case GGML_Q4_1: return WF_Q4;
+    case GGML_Q5_0: return WF_Q5;
+    case GGML_Q8_0: return WF_Q8;
+    case GGML_Q4_K: return WF_Q4K;
+    case GGML_Q5_K: return WF_Q5K;
+    case GGML_Q6_K: return WF_Q6K;
+    default: return -1;
+    }
+}
+
+/* GGUF bytes of one block and weights per block. */
+static int ggml_block_bytes(int t) {
+    switch (t) {
+    case GGML_F32: return 4;
+    case GGML_F16: case GGML_BF16: return 2;
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+static int ggml_block_weights(int t) {
+    return t == GGML_F32 || t == GGML_F16 || t == GGML_BF16 ? 1 : t >= GGML_Q4_K ? 256 : 32;
+}
+
+size_t kiln_ggml_row_bytes(int t, int cols) {
+    int bw = ggml_block_weights(t);
+    if (kiln_wfmt_for_ggml(t) < 0 || cols <= 0 || cols % bw) return 0;
+    return (size_t)cols / bw * ggml_block_bytes(t);
+}
+
+static size_t tile_bytes(kiln_wfmt f, int cols) {
+    if (kiln_fmt_is_float(f))
+        return (size_t)4 * ((cols + KILN_FCHUNK - 1) / KILN_FCHUNK * KILN_FCHUNK) * kiln_fmt_elem_bytes(f);
+    int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
+    return (size_t)4 * (G * (kiln_fmt_head_bytes(f, 8) + kiln_fmt_quant_bytes(f, 8)) +
+                        (nt ? kiln_fmt_head_bytes(f, nt) + kiln_fmt_quant_bytes(f, nt) : 0));
+}
+
+size_t kiln_pack_size(int t, int rows, int cols) {
+    int f = kiln_wfmt_for_ggml(t);
+    if (f < 0 || rows <= 0 || cols <= 0 || cols % ggml_block_weights(t)) return 0;
+    return (size_t)((rows + 3) / 4) * tile_bytes(f, cols) + KILN_PACK_SLACK;
+}
+
+/* ---- lane order ---- */
+
+/* Byte of weight i of block j in a chunked region of nb blocks (chunk stride 4*nb). */
+static inline int lane_byte(int nb, int j, int i) { return (i >> 2) * 4 * nb + 4 * j + (i & 3); }
+
+/* q[j*32 + i]: 4-bit values -> nibble slots (low nibble: chunk L, high: chunk L+4). */
+static void put_nibbles(uint8_t *dst, int nb, const uint8_t *q) {
+    memset(dst, 0, (size_t)(unsigned)nb * 16);
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < 32; i++) {
+            int k = i >> 2, at = (k & 3) * 4 * nb + 4 * j + (i & 3);
+            dst[at] |= (q[j * 32 + i] & 15) << (k >= 4 ? 4 : 0);
+        }
+}
+
+/* 5th bits: bit k of byte 4j+i%4 is the 5th bit of weight i of block j, chunk k = i/4. */
+static void put_high1(uint8_t *dst, int nb, const uint8_t *q) {
+    memset(dst, 0, (size_t)(unsigned)nb * 4);
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < 32; i++) dst[4 * j + (i & 3)] |= ((q[j * 32 + i] >> 4) & 1) << (i >> 2);
+}
+
+/* Bits 4-5 (Q6K, nb = 8): chunk k goes to half k/4, bits 2*(k%4). */
+static void put_high2(uint8_t *dst, const uint8_t *q) {
+    memset(dst, 0, 64);
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 32; i++) {
+            int k = i >> 2;
+            dst[(k >> 2) * 32 + 4 * j + (i & 3)] |= ((q[j * 32 + i] >> 4) & 3) << (2 * (k & 3));
+        }
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+/* ---- one row's group: GGUF blocks -> header h and quants q ---- */
+
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0: nb blocks of 32 starting at src. */
+static void pack_group32(kiln_wfmt f, const uint8_t *src, int nb, uint8_t *h, uint8_t *qd) {
+    uint8_t q[256];
+    int bb = f == WF_Q4S ? 18 : f == WF_Q4 ? 20 : f == WF_Q5 ? 22 : 34;
+    for (int j = 0; j < nb; j++) {
+        const uint8_t *b = src + j * bb;
+        wr16(h + 2 * j, rd16(b));
+        if (f == WF_Q4) wr16(h + 2 * nb + 2 * j, rd16(b + 2));
+        if (f == WF_Q8) {
+            memcpy(q + 32 * j, b + 2, 32);
+            continue;
+        }
+        const uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
+        uint32_t qh = f == WF_Q5 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
+        for (int i = 0; i < 16; i++) {
+            q[32 * j + i] = (qs[i] & 15) | ((qh >> i & 1) << 4);
+            q[32 * j + 16 + i] = (qs[i] >> 4) | ((qh >> (16 + i) & 1) << 4);
+        }
+    }
+    if (f == WF_Q8) {
+        for (int j = 0; j < nb; j++)
+            for (int i = 0; i < 32; i++) qd[lane_byte(nb, j, i)] = q[32 * j + i];
+        return;
+    }
+    put_nibbles(qd, nb, q);
+    if (f == WF_Q5) put_high1(qd + 16 * nb, nb, q);
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block. */
+static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+static void pack_groupk(kiln_wfmt f, const uint8_t *b, uint8_t *h, uint8_t *qd) {
+    uint8_t q[256];
+    if (f == WF_Q6K) {
+        const uint8_t *ql = b, *qh = b + 128, *sc = b + 192;
+        wr16(h, rd16(b + 208));
+        memcpy(h + 2, sc, 16);
+        for (int e = 0; e < 256; e++) {
+            int half = e >> 7, r = e & 127;
+            int lo = (ql[64 * half + (r & 63)] >> (r >= 64 ? 4 : 0)) & 15;
+            int hi = (qh[32 * half + (r & 31)] >> (2 * (r >> 5))) & 3;
+            q[e] = (uint8_t)(lo | hi << 4);
+        }
+        put_nibbles(qd, 8, q);
+        put_high2(qd + 128, q);
+        return;
+    }
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == WF_Q5K ? 48 : 16);
+    wr16(h, rd16(b));
+    wr16(h + 2, rd16(b + 2));
+    for (int j = 0; j < 8; j++) k_scale_min(scales, j, h + 4 + j, h + 12 + j);
+    for (int e = 0; e < 256; e++) {
+        int c = e >> 6, l = e & 63;
+        int lo = (qs[32 * c + (l & 31)] >> (l >= 32 ? 4 : 0)) & 15;
+        int hi = f == WF_Q5K ? (qh[e & 31] >> (e >> 5)) & 1 : 0;
+        q[e] = (uint8_t)(lo | hi << 4);
+    }
+    put_nibbles(qd, 8, q);
+    if (f == WF_Q5K) put_high1(qd + 128, 8, q);
+}
+
+/* Float formats: chunks of 16 columns, 4 rows each, zero padded. */
+static void pack_float(kiln_wfmt f, const uint8_t *src, int rows, int cols, uint8_t *dst, size_t tb) {
+    int es = kiln_fmt_elem_bytes(f), nchunk = (cols + KILN_FCHUNK - 1) / KILN_FCHUNK;
+    size_t row_bytes = (size_t)cols * es;
+    for (int t = 0; t < (rows + 3) / 4; t++)
+        for (int c = 0; c < nchunk; c++)
+            for (int r = 0; r < 4; r++) {
+                uint8_t *d = dst + t * tb + ((size_t)c * 4 + r) * KILN_FCHUNK * es;
+                int row = 4 * t + r, n = cols - c * KILN_FCHUNK < KILN_FCHUNK ? cols - c * KILN_FCHUNK : KILN_FCHUNK;
+                memset(d, 0, KILN_FCHUNK * es);
+                if (row < rows) memcpy(d, src + (size_t)row * row_bytes + (size_t)c * KILN_FCHUNK * es, (size_t)n * es);
+            }
+}
+
+int kiln_pack(int t, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_wmat *out) {
+    size_t total = kiln_pack_size(t, rows, cols);
+    if (!total) return -1;
+    kiln_wfmt f = (kiln_wfmt)kiln_wfmt_for_ggml(t);
+    size_t tb = tile_bytes(f, cols);
+    int tiles = (rows + 3) / 4;
+    memset(dst + tiles * tb, 0, KILN_PACK_SLACK);
+    if (kiln_fmt_is_float(f))
+        pack_float(f, src, rows, cols, dst, tb);
+    else {
+        size_t row_bytes = kiln_ggml_row_bytes(t, cols);
+        int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32, bw = ggml_block_weights(t);
+        for (int ti = 0; ti < tiles; ti++) {
+            uint8_t *p = dst + ti * tb;
+            for (int g = 0; g <= G; g++) {
+                int nb = g < G ? 8 : nt;
+                if (!nb) break;
+                int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
+                for (int r = 0; r < 4; r++) {
+                    int row = 4 * ti + r;
+                    uint8_t *h = p + r * hb, *q = p + 4 * hb + r * qb;
+                    if (row >= rows) { /* padding row: all zero, so d = 0 */
+                        memset(h, 0, hb);
+                        memset(q, 0, qb);
+                        continue;
+                    }
+                    const uint8_t *s = src + (size_t)row * row_bytes + (size_t)g * KILN_GROUP / bw * ggml_block_bytes(t);
+                    if (bw == 256)
+                        pack_groupk(f, s, h, q);
+                    else
+                        pack_group32(f, s, nb, h, q);
+                }
+                p += 4 * (hb + qb);
+            }
+        }
+    }
+    *out = (kiln_wmat){f, rows, cols, tiles * 4, tb, dst};
+    return 0;
+}

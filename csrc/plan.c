@@ -1,0 +1,207 @@
+/* The plan executor: walks the op list once per step. Small ops run on the calling thread; the
+ * matrix and attention ops are split into chunks for the pool. Parallel ops only ever store final
+ * values (partial results stay in per-thread scratch), which is what lets the pool re-run a chunk
+ * whose worker was preempted (see pool.h). */
+#include "plan.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "attn.h"
+#include "dequant.h"
+
+/* A chunk function's context lives in the plan, not on the stack: a late worker may read it after
+ * the op that launched it has returned. */
+typedef kiln_job job;
+
+static float *scratch(const kiln_plan *p, int thread) { return p->scratch + (size_t)thread * p->scratch_floats; }
+
+static void rmsnorm(const float *x, const float *w, float eps, int n, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+static void rope(float *x, const kiln_rope *r, int pos) {
+    int half = r->dim / 2;
+    const float *c = r->cos + (size_t)pos * half, *s = r->sin + (size_t)pos * half;
+    for (int i = 0; i < half; i++) {
+        int ia = r->neox ? i : 2 * i, ib = r->neox ? i + half : 2 * i + 1;
+        float a = x[ia], b = x[ib];
+        x[ia] = a * c[i] - b * s[i];
+        x[ib] = b * c[i] + a * s[i];
+    }
+}
+
+static float activate(int kind, float x) {
+    if (kind == ACT_SILU) return x / (1.0f + expf(-x));
+    return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+}
+
+static void quantize_all(const kiln_op *op, const float *x, int n) {
+    for (int k = 0; k < op->n_act; k++) kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, n, op->act[k]);
+}
+
+static int n_tiles(const kiln_wmat *w) { return w->rows_padded / 4; }
+
+/* Rows [r0, r1) of one matrix for every token, into `y` (n_rows × (r1 - r0)). */
+static void matmul_rows(const kiln_wmat *w, const void *act, int n_rows, float *y, int r0, int r1) {
+    kiln_matmul(w, act, n_rows, y - r0, r1 - r0, r0 / 4, (r1 + 3) / 4);
+}
+
+static void qkv_chunk(void *ctx, int unit, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    int hd = op->head_dim, H = op->n_heads, KV = op->n_kv_heads, kv_dim = KV * hd;
+    int which = unit < H ? 0 : unit < H + KV ? 1 : 2;
+    int head = which == 0 ? unit : which == 1 ? unit - H : unit - H - KV;
+    const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
+    const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
+    const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
+    const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
+    int r0 = head * hd;
+    float *y = scratch(p, thread), *tmp = y + (size_t)j->n_rows * hd;
+    matmul_rows(w, act, j->n_rows, y, r0, r0 + hd);
+    for (int t = 0; t < j->n_rows; t++) {
+        float *row = y + (size_t)t * hd;
+        if (bias)
+            for (int i = 0; i < hd; i++) row[i] += bias[r0 + i];
+        if (which < 2) {
+            if (norm->weight) {
+                rmsnorm(row, norm->weight, norm->eps, hd, tmp);
+                memcpy(row, tmp, sizeof(float) * hd);
+            }
+            rope(row, &op->rope, p->positions[t]);
+        }
+        if (which == 0) {
+            memcpy(op->q + (size_t)t * H * hd + r0, row, sizeof(float) * hd);
+        } else {
+            uint16_t *cache = which == 1 ? op->k_cache : op->v_cache;
+            uint16_t *dst = cache + ((size_t)p->slots[t] * p->n_ctx + p->positions[t]) * kv_dim + r0;
+            kiln_store_half(row, dst, hd);
+        }
+    }
+}
+
+static void attn_chunk(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    int KV = op->n_kv_heads, t = c / KV, g = c % KV;
+    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd, kv_dim = KV * hd;
+    int pos = p->positions[t], lo = op->window > 0 && pos - op->window + 1 > 0 ? pos - op->window + 1 : 0;
+    size_t base = ((size_t)p->slots[t] * p->n_ctx + lo) * kv_dim + (size_t)g * hd;
+    kiln_attend(op->q + (size_t)t * q_dim + (size_t)g * group * hd, group, hd, op->k_cache + base,
+                op->v_cache + base, kv_dim, pos - lo + 1, op->scale, scratch(p, thread),
+                op->out + (size_t)t * q_dim + (size_t)g * group * hd);
+}
+
+static void matmul_chunk(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    int r0 = c * op->chunk_tiles * 4, r1 = r0 + op->chunk_tiles * 4;
+    if (r1 > op->rows) r1 = op->rows;
+    const void *act = op->act[op->w_act];
+    if (!op->res) { /* the kernel's stores are the final values */
+        kiln_matmul(op->w, act, j->n_rows, op->out, op->rows, r0 / 4, (r1 + 3) / 4);
+        return;
+    }
+    int n = r1 - r0;
+    float *y = scratch(j->plan, thread);
+    matmul_rows(op->w, act, j->n_rows, y, r0, r1);
+    for (int t = 0; t < j->n_rows; t++) {
+        const float *res = op->res + (size_t)t * op->rows + r0, *yt = y + (size_t)t * n;
+        float *out = op->out + (size_t)t * op->rows + r0;
+        for (int i = 0; i < n; i++) out[i] = res[i] + yt[i];
+    }
+}
+
+static void glu_chunk(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    int r0 = c * op->chunk_tiles * 4, r1 = r0 + op->chunk_tiles * 4;
+    if (r1 > op->rows) r1 = op->rows;
+    int n = r1 - r0;
+    float *g = scratch(j->plan, thread), *u = g + (size_t)j->n_rows * n;
+    matmul_rows(op->w, op->act[op->w_act], j->n_rows, g, r0, r1);
+    matmul_rows(op->w2, op->act[op->w2_act], j->n_rows, u, r0, r1);
+    for (int t = 0; t < j->n_rows; t++) {
+        float *out = op->out + (size_t)t * op->rows + r0;
+        const float *gt = g + (size_t)t * n, *ut = u + (size_t)t * n;
+        for (int i = 0; i < n; i++) out[i] = activate(op->glu_act, gt[i]) * ut[i];
+    }
+}
+
+static void logits_chunk(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    (void)thread;
+    int t0 = c * op->chunk_tiles, t1 = t0 + op->chunk_tiles;
+    kiln_matmul(op->w, op->act[op->w_act], j->n_out, op->out, op->rows, t0, t1);
+}
+
+static int chunks_of(const kiln_op *op) { return (n_tiles(op->w) + op->chunk_tiles - 1) / op->chunk_tiles; }
+
+static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
+    const kiln_op *op = &p->ops[i];
+    job *j = &p->jobs[i];
+    j->plan = p;
+    j->op = op;
+    j->n_rows = n_rows;
+    j->n_out = n_out;
+    int st = p->stealable;
+    switch (op->kind) {
+    case OP_EMBED:
+        for (int t = 0; t < n_rows; t++) {
+            float *x = op->out + (size_t)t * op->cols;
+            kiln_dequant_row(op->table_type, op->table + (size_t)p->tokens[t] * op->table_row_bytes, op->cols, x);
+            if (op->scale != 1.0f)
+                for (int i = 0; i < op->cols; i++) x[i] *= op->scale;
+        }
+        return 0;
+    case OP_NORM_QUANT: {
+        /* the final norm only needs the rows whose logits are wanted: gather them */
+        int n = op->select_rows ? n_out : n_rows;
+        for (int i = 0; i < n; i++) {
+            int t = op->select_rows ? p->row_sel[i] : i;
+            rmsnorm(op->in + (size_t)t * op->cols, op->norm_w, op->eps, op->cols, op->out + (size_t)i * op->cols);
+        }
+        quantize_all(op, op->out, n);
+        return 0;
+    }
+    case OP_QUANT: quantize_all(op, op->in, n_rows); return 0;
+    case OP_QKV: return kiln_pool_run(p->pool, qkv_chunk, j, op->n_heads + 2 * op->n_kv_heads, st);
+    case OP_ATTN: return kiln_pool_run(p->pool, attn_chunk, j, n_rows * op->n_kv_heads, st);
+    case OP_MATMUL: return kiln_pool_run(p->pool, matmul_chunk, j, chunks_of(op), st);
+    case OP_GLU: return kiln_pool_run(p->pool, glu_chunk, j, chunks_of(op), st);
+    case OP_LOGITS: return kiln_pool_run(p->pool, logits_chunk, j, chunks_of(op), st);
+    case OP_NORM_ADD:
+        for (int t = 0; t < n_rows; t++) {
+            const float *res = op->res + (size_t)t * op->cols;
+            float *out = op->out + (size_t)t * op->cols;
+            rmsnorm(op->in + (size_t)t * op->cols, op->norm_w, op->eps, op->cols, out);
+            for (int i = 0; i < op->cols; i++) out[i] += res[i];
+        }
+        return 0;
+    }
+    return 0;
+}
+
+int64_t kiln_plan_run(kiln_plan *p, int n_rows, int n_out) {
+    int64_t wait_total = 0;
+    for (int i = 0; i < p->n_ops; i++) {
+        if (!p->trace) {
+            wait_total += run_op(p, i, n_rows, n_out);
+            continue;
+        }
+        int64_t t0 = kiln_now_ns();
+        int64_t wait = run_op(p, i, n_rows, n_out);
+        p->op_ns[i] += kiln_now_ns() - t0;
+        p->op_wait_ns[i] += wait;
+        wait_total += wait;
+    }
+    p->runs++;
+    return wait_total;
+}

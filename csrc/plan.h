@@ -1,0 +1,109 @@
+/* The plan executor: a model's whole forward pass as a flat list of ops over preallocated buffers,
+ * run by one native call per step (a decode step of several sequences, or a chunk of prefill).
+ *
+ * Rows are tokens. Each row carries its own token id, KV slot and position, so the same plan serves
+ * prefill (one slot, consecutive positions), batched decode (one row per sequence) and mixtures. */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "pool.h"
+
+enum {
+    OP_EMBED,      /* x[t] = dequant(table row tok[t]) * scale */
+    OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w) for each activation kind needed */
+    OP_QUANT,      /* act = quantize(x) */
+    OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope; k, v stored into the cache */
+    OP_ATTN,       /* out = softmax(q·K / sqrt) · V over each row's slot, causal (+ sliding window) */
+    OP_MATMUL,     /* out = W·act (+ residual) */
+    OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
+    OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
+    OP_LOGITS,     /* logits[i] = W·act[row_sel[i]] */
+    OP_COUNT
+};
+
+enum { ACT_SILU, ACT_GELU_TANH };
+
+#define MAX_ACTS 3 /* activation layouts one input may be quantized into */
+
+typedef struct {
+    const float *weight; /* NULL: no norm */
+    float eps;
+} kiln_norm;
+
+typedef struct {
+    const float *cos, *sin; /* [n_ctx][dim/2] */
+    int dim, neox;
+} kiln_rope;
+
+typedef struct kiln_op {
+    int kind;
+    int op_class; /* for the tracer: 0 gemm/gemv, 1 attention, 2 norm/rope/act, 3 lm head, 4 embed */
+    int layer;
+    /* generic shapes */
+    int cols;           /* input width */
+    int rows;           /* output width */
+    float *in, *res, *out;
+    /* norms */
+    const float *norm_w;
+    float eps;
+    float scale;
+    int select_rows; /* OP_NORM_QUANT: only the rows listed in row_sel (the final norm before logits) */
+    /* activation buffers by kind: act[k] is quantized with act_fmt[k] */
+    int n_act;
+    kiln_wfmt act_fmt[MAX_ACTS];
+    void *act[MAX_ACTS];
+    size_t act_stride[MAX_ACTS]; /* bytes per row */
+    /* weights */
+    const kiln_wmat *w, *w2; /* matmul / logits: w; glu: gate w, up w2 */
+    int w_act, w2_act;       /* index into act[] each weight consumes */
+    const float *bias;
+    int glu_act;
+    /* embedding table (GGUF layout) */
+    const uint8_t *table;
+    int table_type;
+    size_t table_row_bytes;
+    /* attention and qkv */
+    int n_heads, n_kv_heads, head_dim, window;
+    const kiln_wmat *wq, *wk, *wv;
+    int q_act, k_act, v_act;
+    const float *bq, *bk, *bv;
+    kiln_norm qnorm, knorm;
+    kiln_rope rope;
+    float *q;                       /* [rows][n_heads*head_dim] */
+    uint16_t *k_cache, *v_cache;    /* this layer's [slots][n_ctx][kv_dim], fp16 */
+    /* chunking */
+    int chunk_tiles;
+} kiln_op;
+
+typedef struct kiln_plan kiln_plan;
+
+typedef struct {
+    kiln_plan *plan;
+    const kiln_op *op;
+    int n_rows, n_out;
+} kiln_job;
+
+struct kiln_plan {
+    kiln_op *ops;
+    kiln_job *jobs; /* one per op */
+    int n_ops, cap;
+    int max_rows;
+    int n_ctx, n_slots;
+    int stealable;        /* buffers are single-assignment within a step (see pool.h) */
+    /* per-row inputs, written by the caller before each run */
+    int32_t *tokens, *slots, *positions, *row_sel;
+    float *logits;        /* [max_rows][vocab] */
+    int vocab;
+    kiln_pool *pool;
+    float *scratch;       /* per thread */
+    size_t scratch_floats;
+    /* tracing: per op, accumulated over runs */
+    int trace;
+    int64_t *op_ns, *op_wait_ns;
+    int64_t runs;
+};
+
+/* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. */
+int64_t kiln_plan_run(kiln_plan *plan, int n_rows, int n_out);

@@ -1,0 +1,233 @@
+/* Python bindings of the kernel interface: plain ints and buffers, checked so that a wrong size
+   raises instead of reading or writing out of bounds. kiln/native/kernels.py wraps them for numpy. */
+#include "bindings.h"
+#include "kernels.h"
+
+static int get_buf(PyObject *o, Py_buffer *v, int writable, Py_ssize_t need, const char *what) {
+    if (PyObject_GetBuffer(o, v, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (v->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer of %zd bytes, need %zd", what, v->len, need);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_isa_detect(PyObject *self, PyObject *args) { return PyLong_FromLong(kiln_detect_isa()); }
+static PyObject *py_isa_active(PyObject *self, PyObject *args) { return PyLong_FromLong(kiln_active_isa()); }
+
+static PyObject *py_isa_error(PyObject *self, PyObject *args) {
+    const char *e = kiln_isa_error();
+    if (!e) Py_RETURN_NONE;
+    return PyUnicode_FromString(e);
+}
+
+static int isa_arg(PyObject *args, int *isa) {
+    if (!PyArg_ParseTuple(args, "i", isa)) return -1;
+    if (*isa < ISA_GENERIC || *isa > ISA_AVX512) {
+        PyErr_Format(PyExc_ValueError, "unknown ISA %d", *isa);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_isa_missing(PyObject *self, PyObject *args) {
+    int isa;
+    if (isa_arg(args, &isa)) return NULL;
+    const char *m = kiln_isa_missing((kiln_isa)isa);
+    if (!m) Py_RETURN_NONE;
+    return PyUnicode_FromString(m);
+}
+
+static PyObject *py_isa_force(PyObject *self, PyObject *args) {
+    int isa;
+    if (isa_arg(args, &isa)) return NULL;
+    if (kiln_force_isa((kiln_isa)isa)) {
+        PyErr_Format(PyExc_RuntimeError, "cannot use ISA %s: CPU lacks %s", kiln_isa_name((kiln_isa)isa), kiln_isa_missing((kiln_isa)isa));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_wfmt_for_ggml(PyObject *self, PyObject *args) {
+    int t;
+    if (!PyArg_ParseTuple(args, "i", &t)) return NULL;
+    return PyLong_FromLong(kiln_wfmt_for_ggml(t));
+}
+
+static PyObject *py_pack_size(PyObject *self, PyObject *args) {
+    int t, rows, cols;
+    if (!PyArg_ParseTuple(args, "iii", &t, &rows, &cols)) return NULL;
+    return PyLong_FromSize_t(kiln_pack_size(t, rows, cols));
+}
+
+/* pack(ggml_type, src, rows, cols, dst) -> (fmt, rows_padded, tile_bytes) */
+static PyObject *py_pack(PyObject *self, PyObject *args) {
+    int t, rows, cols;
+    PyObject *so, *dobj;
+    if (!PyArg_ParseTuple(args, "iOiiO", &t, &so, &rows, &cols, &dobj)) return NULL;
+    size_t need = kiln_pack_size(t, rows, cols), row_bytes = kiln_ggml_row_bytes(t, cols);
+    if (!need || !row_bytes) return PyErr_Format(PyExc_ValueError, "cannot pack GGML type %d with shape (%d, %d)", t, rows, cols);
+    Py_buffer src, dst;
+    if (get_buf(so, &src, 0, (Py_ssize_t)(row_bytes * rows), "pack source")) return NULL;
+    if (get_buf(dobj, &dst, 1, (Py_ssize_t)need, "pack destination")) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    kiln_wmat w;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kiln_pack(t, src.buf, rows, cols, dst.buf, &w);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (rc) return PyErr_Format(PyExc_ValueError, "kiln_pack failed for GGML type %d", t);
+    return Py_BuildValue("iin", (int)w.fmt, w.rows_padded, (Py_ssize_t)w.tile_bytes);
+}
+
+static int fmt_arg(int fmt) {
+    if (fmt < 0 || fmt >= WF_COUNT) {
+        PyErr_Format(PyExc_ValueError, "unknown weight format %d", fmt);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_act_kind(PyObject *self, PyObject *args) {
+    int fmt;
+    if (!PyArg_ParseTuple(args, "i", &fmt) || fmt_arg(fmt)) return NULL;
+    return PyLong_FromLong(kiln_act_kind((kiln_wfmt)fmt));
+}
+
+static PyObject *py_act_size(PyObject *self, PyObject *args) {
+    int fmt, cols, n;
+    if (!PyArg_ParseTuple(args, "iii", &fmt, &cols, &n) || fmt_arg(fmt)) return NULL;
+    return PyLong_FromSize_t(kiln_act_size((kiln_wfmt)fmt, cols, n));
+}
+
+/* quantize_act(fmt, x, ldx, cols, n_tok, act) */
+static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
+    int fmt, ldx, cols, n;
+    PyObject *xo, *ao;
+    if (!PyArg_ParseTuple(args, "iOiiiO", &fmt, &xo, &ldx, &cols, &n, &ao) || fmt_arg(fmt)) return NULL;
+    if (cols <= 0 || n <= 0 || ldx < cols || (!kiln_fmt_is_float((kiln_wfmt)fmt) && cols % 32))
+        return PyErr_Format(PyExc_ValueError, "bad activation shape: cols %d, n_tok %d, ldx %d", cols, n, ldx);
+    Py_buffer x, a;
+    if (get_buf(xo, &x, 0, (Py_ssize_t)(((size_t)(n - 1) * ldx + cols) * 4), "activations")) return NULL;
+    if (get_buf(ao, &a, 1, (Py_ssize_t)kiln_act_size((kiln_wfmt)fmt, cols, n), "activation buffer")) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    kiln_quantize_act((kiln_wfmt)fmt, x.buf, ldx, cols, n, a.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&a);
+    Py_RETURN_NONE;
+}
+
+/* matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1) */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int fmt, rows, cols, n, ldy, tile0, tile1;
+    Py_ssize_t tile_bytes;
+    PyObject *wo, *ao, *yo;
+    if (!PyArg_ParseTuple(args, "iiinOOiOiii", &fmt, &rows, &cols, &tile_bytes, &wo, &ao, &n, &yo, &ldy, &tile0, &tile1) || fmt_arg(fmt))
+        return NULL;
+    int tiles = (rows + 3) / 4;
+    if (rows <= 0 || cols <= 0 || n <= 0 || ldy < rows || tile0 < 0 || tile1 > tiles || tile0 > tile1)
+        return PyErr_Format(PyExc_ValueError, "bad matmul arguments: rows %d, cols %d, n_tok %d, ldy %d, tiles [%d, %d)", rows, cols, n, ldy, tile0, tile1);
+    Py_buffer wb, ab, yb;
+    if (get_buf(wo, &wb, 0, tiles * tile_bytes + KILN_PACK_SLACK, "packed weights")) return NULL;
+    if (get_buf(ao, &ab, 0, (Py_ssize_t)kiln_act_size((kiln_wfmt)fmt, cols, n), "activation buffer")) {
+        PyBuffer_Release(&wb);
+        return NULL;
+    }
+    if (get_buf(yo, &yb, 1, (Py_ssize_t)(((size_t)(n - 1) * ldy + rows) * 4), "output")) {
+        PyBuffer_Release(&wb);
+        PyBuffer_Release(&ab);
+        return NULL;
+    }
+    kiln_wmat w = {(kiln_wfmt)fmt, rows, cols, tiles * 4, (size_t)tile_bytes, wb.buf};
+    Py_BEGIN_ALLOW_THREADS
+    kiln_matmul(&w, ab.buf, n, yb.buf, ldy, tile0, tile1);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ab);
+    PyBuffer_Release(&yb);
+    Py_RETURN_NONE;
+}
+
+/* ---- huge-page buffers: a minimal object exposing kiln_alloc_huge memory as a writable buffer ---- */
+
+typedef struct {
+    PyObject_HEAD
+    void *p;
+    Py_ssize_t size;
+} HugeBuffer;
+
+static void huge_dealloc(HugeBuffer *self) {
+    kiln_free_huge(self->p);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int huge_getbuffer(HugeBuffer *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->p, self->size, 0, flags);
+}
+
+static PyBufferProcs huge_as_buffer = {(getbufferproc)huge_getbuffer, NULL};
+
+static PyTypeObject HugeBufferType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.HugeBuffer",
+    .tp_basicsize = sizeof(HugeBuffer),
+    .tp_dealloc = (destructor)huge_dealloc,
+    .tp_as_buffer = &huge_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Memory from kiln_alloc_huge: 2 MiB aligned, huge pages advised.",
+};
+
+static PyObject *py_huge_buffer(PyObject *self, PyObject *args) {
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "n", &size)) return NULL;
+    if (size <= 0) return PyErr_Format(PyExc_ValueError, "huge_buffer: size %zd", size);
+    if (PyType_Ready(&HugeBufferType) < 0) return NULL;
+    HugeBuffer *b = PyObject_New(HugeBuffer, &HugeBufferType);
+    if (!b) return NULL;
+    b->size = size;
+    b->p = kiln_alloc_huge((size_t)size);
+    if (!b->p) {
+        Py_DECREF(b);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)b;
+}
+
+static PyObject *py_mem_read(PyObject *self, PyObject *args) {
+    PyObject *o;
+    if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+    Py_buffer b;
+    if (get_buf(o, &b, 0, 0, "mem_read")) return NULL;
+    uint64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = kiln_mem_read(b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(r);
+}
+
+PyMethodDef kernel_methods[] = {
+    {"isa_detect", py_isa_detect, METH_NOARGS, "Best ISA the CPU supports (0 generic, 1 avx2, 2 avx512)."},
+    {"isa_active", py_isa_active, METH_NOARGS, "ISA the kernels dispatch to."},
+    {"isa_error", py_isa_error, METH_NOARGS, "Why KILN_ISA could not be honoured, or None."},
+    {"isa_missing", py_isa_missing, METH_VARARGS, "First CPU feature an ISA needs that is missing, or None."},
+    {"isa_force", py_isa_force, METH_VARARGS, "Use this ISA from now on; RuntimeError if the CPU lacks it."},
+    {"wfmt_for_ggml", py_wfmt_for_ggml, METH_VARARGS, "Kernel format of a GGML type, or -1."},
+    {"pack_size", py_pack_size, METH_VARARGS, "Bytes kiln_pack writes (0: unsupported)."},
+    {"pack", py_pack, METH_VARARGS, "pack(ggml_type, src, rows, cols, dst) -> (fmt, rows_padded, tile_bytes)."},
+    {"act_kind", py_act_kind, METH_VARARGS, "Activation layout a format consumes."},
+    {"act_size", py_act_size, METH_VARARGS, "act_size(fmt, cols, n_tok) -> bytes."},
+    {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(fmt, x, ldx, cols, n_tok, act)."},
+    {"matmul", py_matmul, METH_VARARGS, "matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1)."},
+    {"huge_buffer", py_huge_buffer, METH_VARARGS, "huge_buffer(size) -> writable buffer on huge pages."},
+    {"mem_read", py_mem_read, METH_VARARGS, "Read every byte of a buffer once (bandwidth reference)."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,451 @@
+/* Python bindings of the executor: huge-page arenas, packed matrices, the thread pool and plans.
+ *
+ * Python builds each op as bytes laid out like `kiln_op`, using the field table `op_fields()` returns,
+ * so the struct is defined once, here in C. */
+#define _GNU_SOURCE
+#include <stddef.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "attn.h"
+#include "bindings.h"
+#include "dequant.h"
+#include "plan.h"
+
+#define HUGE_PAGE (2u << 20)
+
+/* ---- Arena: one zeroed allocation on huge pages (weights, KV cache, activations) ---------------- */
+
+typedef struct {
+    PyObject_HEAD
+    uint8_t *data;
+    size_t nbytes, mapped;
+    Py_ssize_t exports;
+} Arena;
+
+static void arena_dealloc(Arena *a) {
+    if (a->data) munmap(a->data, a->mapped);
+    Py_TYPE(a)->tp_free((PyObject *)a);
+}
+
+static PyObject *arena_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Py_ssize_t nbytes;
+    static char *names[] = {"nbytes", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", names, &nbytes)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "arena size %zd is negative", nbytes);
+    Arena *a = (Arena *)type->tp_alloc(type, 0);
+    if (!a) return NULL;
+    a->nbytes = (size_t)nbytes;
+    a->mapped = ((size_t)nbytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    if (a->mapped == 0) a->mapped = HUGE_PAGE;
+    void *p = mmap(NULL, a->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        Py_DECREF(a);
+        return PyErr_Format(PyExc_MemoryError, "cannot map %zd bytes for a kiln arena", nbytes);
+    }
+    madvise(p, a->mapped, MADV_HUGEPAGE); /* best effort: +20-55% bandwidth where the kernel grants them */
+    a->data = p;
+    return (PyObject *)a;
+}
+
+static int arena_getbuffer(Arena *a, Py_buffer *view, int flags) {
+    int rc = PyBuffer_FillInfo(view, (PyObject *)a, a->data, (Py_ssize_t)a->nbytes, 0, flags);
+    if (rc == 0) a->exports++;
+    return rc;
+}
+static void arena_releasebuffer(Arena *a, Py_buffer *view) { (void)view; a->exports--; }
+static PyBufferProcs arena_buffer = {(getbufferproc)arena_getbuffer, (releasebufferproc)arena_releasebuffer};
+
+static PyObject *arena_address(Arena *a, void *c) { (void)c; return PyLong_FromVoidPtr(a->data); }
+static PyObject *arena_size(Arena *a, void *c) { (void)c; return PyLong_FromSize_t(a->nbytes); }
+static PyGetSetDef arena_getset[] = {
+    {"address", (getter)arena_address, NULL, "address of the first byte", NULL},
+    {"nbytes", (getter)arena_size, NULL, "size in bytes", NULL},
+    {NULL}};
+
+/* Fill the arena from a file in one read (the repack cache), without holding the GIL. */
+static PyObject *arena_read_file(Arena *a, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+    size_t got;
+    Py_BEGIN_ALLOW_THREADS got = fread(a->data, 1, a->nbytes, f);
+    Py_END_ALLOW_THREADS fclose(f);
+    if (got != a->nbytes) return PyErr_Format(PyExc_OSError, "%s: read %zu of %zu bytes", path, got, a->nbytes);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef arena_methods[] = {{"read_file", (PyCFunction)arena_read_file, METH_VARARGS, NULL}, {NULL}};
+
+static PyTypeObject ArenaType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.Arena",
+    .tp_basicsize = sizeof(Arena),
+    .tp_dealloc = (destructor)arena_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = arena_new,
+    .tp_as_buffer = &arena_buffer,
+    .tp_getset = arena_getset,
+    .tp_methods = arena_methods,
+    .tp_doc = "Zeroed memory on huge pages, exposed as a writable buffer.",
+};
+
+static Arena *as_arena(PyObject *o) {
+    if (!PyObject_TypeCheck(o, &ArenaType)) {
+        PyErr_SetString(PyExc_TypeError, "expected a kiln._native.Arena");
+        return NULL;
+    }
+    return (Arena *)o;
+}
+
+/* ---- WMat: a packed matrix living in an arena --------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    kiln_wmat m;
+    PyObject *arena;
+} WMat;
+
+static void wmat_dealloc(WMat *w) {
+    Py_XDECREF(w->arena);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *wmat_address(WMat *w, void *c) { (void)c; return PyLong_FromVoidPtr(&w->m); }
+static PyObject *wmat_layout(WMat *w, void *c) {
+    (void)c;
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:n}", "fmt", (int)w->m.fmt, "rows", w->m.rows, "cols", w->m.cols,
+                         "rows_padded", w->m.rows_padded, "tile_bytes", (Py_ssize_t)w->m.tile_bytes);
+}
+static PyGetSetDef wmat_getset[] = {
+    {"address", (getter)wmat_address, NULL, "address of the kiln_wmat struct", NULL},
+    {"layout", (getter)wmat_layout, NULL, "fmt, rows, cols, rows_padded, tile_bytes", NULL},
+    {NULL}};
+
+static PyTypeObject WMatType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.WMat",
+    .tp_basicsize = sizeof(WMat),
+    .tp_dealloc = (destructor)wmat_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_getset = wmat_getset,
+    .tp_doc = "A packed weight matrix inside an Arena.",
+};
+
+static PyObject *make_wmat(PyObject *arena, kiln_wmat m) {
+    WMat *w = PyObject_New(WMat, &WMatType);
+    if (!w) return NULL;
+    w->m = m;
+    Py_INCREF(arena);
+    w->arena = arena;
+    return (PyObject *)w;
+}
+
+/* pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat */
+static PyObject *py_pack_into(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *arena_obj;
+    Py_ssize_t offset;
+    int type, rows, cols;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "Oniy*ii", &arena_obj, &offset, &type, &src, &rows, &cols)) return NULL;
+    Arena *a = as_arena(arena_obj);
+    size_t need = kiln_pack_size(type, rows, cols);
+    if (!a || need == 0 || offset < 0 || (size_t)offset + need > a->nbytes) {
+        PyBuffer_Release(&src);
+        if (a) PyErr_Format(PyExc_ValueError, "cannot pack type %d (%d x %d) at offset %zd of a %zu-byte arena",
+                            type, rows, cols, offset, a->nbytes);
+        return NULL;
+    }
+    kiln_wmat m;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = kiln_pack(type, src.buf, rows, cols, a->data + offset, &m);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&src);
+    if (rc != 0) return PyErr_Format(PyExc_ValueError, "kiln_pack failed for type %d (%d x %d)", type, rows, cols);
+    return make_wmat(arena_obj, m);
+}
+
+/* wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat over already packed bytes */
+static PyObject *py_wmat(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *arena_obj;
+    Py_ssize_t offset, tile_bytes;
+    int fmt, rows, cols, rows_padded;
+    if (!PyArg_ParseTuple(args, "Oniiiin", &arena_obj, &offset, &fmt, &rows, &cols, &rows_padded, &tile_bytes))
+        return NULL;
+    Arena *a = as_arena(arena_obj);
+    if (!a) return NULL;
+    size_t nbytes = (size_t)tile_bytes * (size_t)(rows_padded / 4);
+    if (fmt < 0 || fmt >= WF_COUNT || offset < 0 || (size_t)offset + nbytes > a->nbytes || rows_padded % 4)
+        return PyErr_Format(PyExc_ValueError, "packed matrix (fmt %d, %d x %d) does not fit its arena", fmt, rows, cols);
+    kiln_wmat m = {(kiln_wfmt)fmt, rows, cols, rows_padded, (size_t)tile_bytes, a->data + offset};
+    return make_wmat(arena_obj, m);
+}
+
+/* dequant_rows(ggml_type, src, n_values) -> bytes of float32: the embedding path, for tests */
+static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    int type;
+    Py_ssize_t n;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "iy*n", &type, &src, &n)) return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out && kiln_dequant_row(type, src.buf, (int)n, (float *)PyBytes_AS_STRING(out)) != 0) {
+        Py_CLEAR(out);
+        PyErr_Format(PyExc_ValueError, "no row dequantization for type %d", type);
+    }
+    PyBuffer_Release(&src);
+    return out;
+}
+
+/* ---- Pool ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    kiln_pool *pool;
+} Pool;
+
+static void pool_dealloc(Pool *p) {
+    if (p->pool) kiln_pool_destroy(p->pool);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    int n;
+    static char *names[] = {"threads", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", names, &n)) return NULL;
+    Pool *p = (Pool *)type->tp_alloc(type, 0);
+    if (p && !(p->pool = kiln_pool_create(n))) {
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)p;
+}
+
+static PyObject *pool_threads(Pool *p, void *c) { (void)c; return PyLong_FromLong(kiln_pool_threads(p->pool)); }
+static PyObject *pool_steals(Pool *p, void *c) { (void)c; return PyLong_FromUnsignedLongLong(kiln_pool_steals(p->pool)); }
+static PyObject *pool_epoch(Pool *p, void *c) { (void)c; return PyLong_FromUnsignedLongLong(kiln_pool_epoch(p->pool)); }
+static PyGetSetDef pool_getset[] = {
+    {"threads", (getter)pool_threads, NULL, "threads including the caller", NULL},
+    {"steals", (getter)pool_steals, NULL, "chunks re-run by the caller because a worker stalled", NULL},
+    {"epoch", (getter)pool_epoch, NULL, "steps run so far", NULL},
+    {NULL}};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.Pool",
+    .tp_basicsize = sizeof(Pool),
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = pool_new,
+    .tp_getset = pool_getset,
+    .tp_doc = "Worker threads that claim chunks of work; the caller works too.",
+};
+
+/* ---- Plan ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    kiln_plan plan;
+    PyObject *pool;
+    PyObject *keep; /* arenas and matrices the ops point into */
+} Plan;
+
+static void plan_dealloc(Plan *p) {
+    PyMem_Free(p->plan.ops);
+    PyMem_Free(p->plan.jobs);
+    PyMem_Free(p->plan.scratch);
+    PyMem_Free(p->plan.op_ns);
+    PyMem_Free(p->plan.op_wait_ns);
+    Py_XDECREF(p->pool);
+    Py_XDECREF(p->keep);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* Plan(ops, pool, keep, rows, n_ctx, n_slots, stealable, scratch_floats, tokens, slots, positions, row_sel) */
+static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)kw;
+    Py_buffer ops;
+    PyObject *pool, *keep;
+    int rows, n_ctx, n_slots, stealable;
+    Py_ssize_t scratch_floats;
+    unsigned long long tokens, slots, positions, row_sel;
+    if (!PyArg_ParseTuple(args, "y*O!OiiiinKKKK", &ops, &PoolType, &pool, &keep, &rows, &n_ctx, &n_slots, &stealable,
+                          &scratch_floats, &tokens, &slots, &positions, &row_sel))
+        return NULL;
+    if (ops.len % sizeof(kiln_op)) {
+        PyBuffer_Release(&ops);
+        return PyErr_Format(PyExc_ValueError, "ops buffer of %zd bytes is not a whole number of %zu-byte ops", ops.len,
+                            sizeof(kiln_op));
+    }
+    Plan *p = (Plan *)type->tp_alloc(type, 0);
+    if (!p) { PyBuffer_Release(&ops); return NULL; }
+    kiln_plan *k = &p->plan;
+    k->n_ops = (int)(ops.len / sizeof(kiln_op));
+    k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
+    k->jobs = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(kiln_job));
+    k->pool = ((Pool *)pool)->pool;
+    int threads = kiln_pool_threads(k->pool);
+    k->scratch_floats = (size_t)scratch_floats;
+    k->scratch = PyMem_Calloc((size_t)threads * (size_t)scratch_floats + 1, sizeof(float));
+    k->op_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
+    k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
+    if (!k->ops || !k->jobs || !k->scratch || !k->op_ns || !k->op_wait_ns) {
+        PyBuffer_Release(&ops);
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    memcpy(k->ops, ops.buf, ops.len);
+    PyBuffer_Release(&ops);
+    k->max_rows = rows;
+    k->n_ctx = n_ctx;
+    k->n_slots = n_slots;
+    k->stealable = stealable;
+    k->tokens = (int32_t *)(uintptr_t)tokens;
+    k->slots = (int32_t *)(uintptr_t)slots;
+    k->positions = (int32_t *)(uintptr_t)positions;
+    k->row_sel = (int32_t *)(uintptr_t)row_sel;
+    Py_INCREF(pool);
+    p->pool = pool;
+    Py_INCREF(keep);
+    p->keep = keep;
+    return (PyObject *)p;
+}
+
+/* run(n_rows, n_out, min_epoch) -> nanoseconds the caller waited at barriers and fences.
+ * The caller has validated the per-row inputs; this checks them again, since a bad token id or
+ * position would read or write outside the buffers. */
+static PyObject *plan_run(Plan *p, PyObject *args) {
+    int n_rows, n_out;
+    unsigned long long min_epoch;
+    if (!PyArg_ParseTuple(args, "iiK", &n_rows, &n_out, &min_epoch)) return NULL;
+    kiln_plan *k = &p->plan;
+    if (n_rows < 1 || n_rows > k->max_rows || n_out < 0 || n_out > n_rows)
+        return PyErr_Format(PyExc_ValueError, "plan run of %d rows (%d with logits) exceeds its %d rows", n_rows, n_out,
+                            k->max_rows);
+    for (int t = 0; t < n_rows; t++)
+        if (k->slots[t] < 0 || k->slots[t] >= k->n_slots || k->positions[t] < 0 || k->positions[t] >= k->n_ctx)
+            return PyErr_Format(PyExc_ValueError, "row %d: slot %d position %d outside %d slots x %d positions", t,
+                                k->slots[t], k->positions[t], k->n_slots, k->n_ctx);
+    for (int i = 0; i < n_out; i++)
+        if (k->row_sel[i] < 0 || k->row_sel[i] >= n_rows)
+            return PyErr_Format(PyExc_ValueError, "logits row %d selects row %d of %d", i, k->row_sel[i], n_rows);
+    int64_t waited;
+    Py_BEGIN_ALLOW_THREADS
+    waited = kiln_pool_fence(k->pool, min_epoch);
+    kiln_pool_next_epoch(k->pool);
+    waited += kiln_plan_run(k, n_rows, n_out);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(waited);
+}
+
+static PyObject *plan_set_trace(Plan *p, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    p->plan.trace = on;
+    memset(p->plan.op_ns, 0, sizeof(int64_t) * (size_t)p->plan.n_ops);
+    memset(p->plan.op_wait_ns, 0, sizeof(int64_t) * (size_t)p->plan.n_ops);
+    p->plan.runs = 0;
+    Py_RETURN_NONE;
+}
+
+/* trace() -> (op_ns bytes, op_wait_ns bytes, runs): per-op totals since tracing was switched on */
+static PyObject *plan_trace(Plan *p, PyObject *noargs) {
+    (void)noargs;
+    size_t n = sizeof(int64_t) * (size_t)p->plan.n_ops;
+    return Py_BuildValue("(y#y#L)", (char *)p->plan.op_ns, (Py_ssize_t)n, (char *)p->plan.op_wait_ns, (Py_ssize_t)n,
+                         (long long)p->plan.runs);
+}
+
+static PyMethodDef plan_methods[] = {
+    {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out, min_epoch) -> ns waited"},
+    {"set_trace", (PyCFunction)plan_set_trace, METH_VARARGS, "switch per-op timing on or off (and reset it)"},
+    {"trace", (PyCFunction)plan_trace, METH_NOARGS, "per-op (ns, wait ns) totals and the run count"},
+    {NULL}};
+
+static PyObject *plan_n_ops(Plan *p, void *c) { (void)c; return PyLong_FromLong(p->plan.n_ops); }
+static PyGetSetDef plan_getset[] = {{"n_ops", (getter)plan_n_ops, NULL, "ops per run", NULL}, {NULL}};
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.Plan",
+    .tp_basicsize = sizeof(Plan),
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = plan_new,
+    .tp_methods = plan_methods,
+    .tp_getset = plan_getset,
+    .tp_doc = "A compiled forward pass: one native call per step.",
+};
+
+/* ---- the op layout ---------------------------------------------------------------------------- */
+
+#define FIELD(name, t) {#name, offsetof(kiln_op, name), t}
+static const struct {
+    const char *name;
+    size_t offset;
+    char type; /* i int32, f float, p pointer, z size_t */
+} OP_FIELDS[] = {
+    FIELD(kind, 'i'), FIELD(op_class, 'i'), FIELD(layer, 'i'), FIELD(cols, 'i'), FIELD(rows, 'i'),
+    FIELD(in, 'p'), FIELD(res, 'p'), FIELD(out, 'p'), FIELD(norm_w, 'p'), FIELD(eps, 'f'), FIELD(scale, 'f'),
+    FIELD(select_rows, 'i'), FIELD(n_act, 'i'), FIELD(act_fmt[0], 'i'), FIELD(act_fmt[1], 'i'),
+    FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'), FIELD(act_stride[0], 'z'),
+    FIELD(act_stride[1], 'z'), FIELD(act_stride[2], 'z'), FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
+    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table, 'p'), FIELD(table_type, 'i'),
+    FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
+    FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
+    FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),
+    FIELD(qnorm.eps, 'f'), FIELD(knorm.weight, 'p'), FIELD(knorm.eps, 'f'), FIELD(rope.cos, 'p'),
+    FIELD(rope.sin, 'p'), FIELD(rope.dim, 'i'), FIELD(rope.neox, 'i'), FIELD(q, 'p'), FIELD(k_cache, 'p'),
+    FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'),
+};
+
+static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    PyObject *fields = PyDict_New();
+    if (!fields) return NULL;
+    for (size_t i = 0; i < sizeof OP_FIELDS / sizeof *OP_FIELDS; i++) {
+        PyObject *v = Py_BuildValue("(nC)", (Py_ssize_t)OP_FIELDS[i].offset, OP_FIELDS[i].type);
+        if (!v || PyDict_SetItemString(fields, OP_FIELDS[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(fields);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return Py_BuildValue("(Nn)", fields, (Py_ssize_t)sizeof(kiln_op));
+}
+
+static PyObject *py_store_half(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    int n = (int)(src.len / 4);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 2);
+    if (out) kiln_store_half(src.buf, (uint16_t *)PyBytes_AS_STRING(out), n);
+    PyBuffer_Release(&src);
+    return out;
+}
+
+PyMethodDef plan_module_methods[] = {
+    {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
+    {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},
+    {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml_type, src, n) -> float32 bytes"},
+    {"store_half", py_store_half, METH_VARARGS, "store_half(float32 bytes) -> fp16 bytes (KV cache rounding)"},
+    {"op_layout", py_op_layout, METH_NOARGS, "op_layout() -> ({field: (offset, type)}, sizeof(kiln_op))"},
+    {NULL}};
+
+int kiln_plan_add_types(PyObject *module) {
+    PyTypeObject *types[] = {&ArenaType, &WMatType, &PoolType, &PlanType};
+    const char *names[] = {"Arena", "WMat", "Pool", "Plan"};
+    for (int i = 0; i < 4; i++) {
+        if (PyType_Ready(types[i]) < 0) return -1;
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(module, names[i], (PyObject *)types[i]) < 0) return -1;
+    }
+    static const struct { const char *name; int value; } constants[] = {
+        {"OP_EMBED", OP_EMBED}, {"OP_NORM_QUANT", OP_NORM_QUANT}, {"OP_QUANT", OP_QUANT}, {"OP_QKV", OP_QKV},
+        {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
+        {"OP_LOGITS", OP_LOGITS}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
+        if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;
+    return 0;
+}

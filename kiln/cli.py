@@ -1,0 +1,47 @@
+"""`kiln` command line: a thin dispatcher. Each command family lives in its own module and registers
+its subcommands; heavy imports happen inside the command functions so `kiln --help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kiln import __version__
+from kiln.errors import KilnError
+
+# Modules that define `register(subparsers)`; order is the order of `kiln --help`.
+COMMAND_MODULES = [
+    "kiln.commands.run",
+    "kiln.commands.models",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="Run small LLMs locally, fast, and see where the time goes.",
+    )
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

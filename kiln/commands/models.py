@@ -1,0 +1,228 @@
+"""Model management: `kiln pull`, `list`, `rm`, `show` and `check`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+TEMPLATE_PREVIEW_LINES = 8
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("pull", help="download a catalog model, or import a .gguf file into the store")
+    p.add_argument("model", metavar="TAG|PATH", help="a catalog tag (see `kiln list`) or a path to a .gguf file")
+    p.add_argument("--name", metavar="TAG", help="tag for an imported file (default: derived from the file name)")
+    p.add_argument("--force", action="store_true", help="download again, or replace an existing imported tag")
+    p.set_defaults(func=cmd_pull)
+
+    p = subparsers.add_parser("list", aliases=["ls"], help="installed and available models")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--filter", choices=["all", "installed", "available"], default="all",
+                   help="installed: only installed models; available: catalog models not installed yet")
+    p.set_defaults(func=cmd_list)
+
+    p = subparsers.add_parser("rm", help="remove an installed model and its cached artifacts")
+    p.add_argument("model", metavar="TAG")
+    p.set_defaults(func=cmd_rm)
+
+    p = subparsers.add_parser("show", help="architecture, size, quantization and memory footprint of a model")
+    p.add_argument("model", metavar="TAG|PATH")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--template", action="store_true", help="print the whole chat template")
+    p.set_defaults(func=cmd_show)
+
+    p = subparsers.add_parser("check", help="re-verify the sha256 of installed models")
+    p.add_argument("model", metavar="TAG", nargs="?", help="one model (default: all installed)")
+    p.set_defaults(func=cmd_check)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            break
+        n /= 1000
+    return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def cmd_pull(args) -> int:
+    from kiln.store import Store
+
+    record = Store().pull(args.model, progress=True, name=args.name, force=args.force)
+    print(f"{record.tag}: {human_bytes(record.size)}, sha256 {record.sha256}, from {record.source}")
+    return 0
+
+
+def list_rows(store, which: str = "all") -> list[dict]:
+    """One dict per model: installed ones (with `problem` when damaged), then catalog models not installed."""
+    rows = []
+    installed = store.installed()
+    installed_tags = {r.tag for r in installed}
+    if which in ("all", "installed"):
+        for r in installed:
+            row = {"tag": r.tag, "installed": True, "size": r.size, "sha256": r.sha256, "source": r.source}
+            rows.append({**row, **r.details, "pulled_at": r.pulled_at, "problem": r.problem})
+    if which in ("all", "available"):
+        for e in store.available():
+            if e.tag not in installed_tags:
+                row = {"tag": e.tag, "installed": False, "size": e.size, "sha256": e.sha256, "source": None}
+                rows.append({**row, **e.details(), "pulled_at": None, "problem": None})
+    return rows
+
+
+def cmd_list(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from kiln.store import Store
+
+    rows = list_rows(Store(), args.filter)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no models installed" if args.filter == "installed" else "no models")
+        return 0
+    table = Table(box=None, pad_edge=False)
+    table.add_column("")
+    table.add_column("TAG", no_wrap=True, min_width=max(len(row["tag"]) for row in rows))
+    for column in ("SIZE", "FAMILY", "PARAMS", "QUANT", "CONTEXT", "LABELS", "STATUS"):
+        table.add_column(column, justify="right" if column in ("SIZE", "CONTEXT") else "left")
+    for row in rows:
+        mark = "[red]![/]" if row["problem"] else "[green]✓[/]" if row["installed"] else ""
+        status = row["problem"] or ("installed" if row["installed"] else "available")
+        details = [row.get(key, "?") for key in ("family", "parameters", "quantization", "context_length")]
+        labels = ", ".join(row.get("labels", []))
+        table.add_row(mark, row["tag"], human_bytes(row["size"]), *map(str, details), labels, Text(status))
+    Console().print(table)
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from kiln.store import Store
+
+    record = Store().remove(args.model)
+    print(f"removed {record.tag}")
+    return 0
+
+
+def describe(record) -> dict:
+    """Everything `kiln show` reports, read from the GGUF file."""
+    from kiln.gguf import GGUFFile
+    from kiln.store import quantization_name, sha256_file
+
+    gguf = GGUFFile(record.path)
+    try:
+        arch = gguf.architecture
+        meta = lambda key, default=None: gguf.get(f"{arch}.{key}", default)  # noqa: E731
+        layers = int(meta("block_count", 0))
+        heads = _per_layer(meta("attention.head_count"), layers)
+        kv_heads = _per_layer(meta("attention.head_count_kv"), layers) or heads
+        embedding = meta("embedding_length")
+        head_dim = meta("attention.key_length") or (embedding // max(heads) if embedding and heads else None)
+        context = int(meta("context_length", 0))
+        # KV cache: K and V, per layer, per position, fp32 — what kiln.engine.kv allocates
+        kv_bytes = 2 * context * sum(kv_heads) * int(head_dim or 0) * 4
+        weights = sum(t.nbytes for t in gguf.tensors.values())
+        n_params = sum(t.n_elements for t in gguf.tensors.values())
+        template = gguf.get("tokenizer.chat_template")
+        return {
+            "tag": record.tag,
+            "path": str(record.path),
+            "sha256": record.sha256 or sha256_file(record.path),
+            "size": record.path.stat().st_size,
+            "family": arch,
+            "name": gguf.get("general.name"),
+            "parameters": n_params,
+            "quantization": quantization_name(gguf),
+            "tensor_types": dict(Counter(t.type.name for t in gguf.tensors.values()).most_common()),
+            "context_length": context,
+            "embedding_length": embedding,
+            "layers": layers,
+            "heads": _uniform(heads),
+            "kv_heads": _uniform(kv_heads),
+            "head_dim": head_dim,
+            "weights_bytes": weights,
+            "kv_cache_bytes": kv_bytes,
+            "footprint_bytes": weights + kv_bytes,
+            "labels": record.details.get("labels", []),
+            "chat_template": template,
+            "source": record.source,
+        }
+    finally:
+        gguf.close()
+
+
+def _per_layer(value, layers: int) -> list[int]:
+    """Head counts are a number, or (in some architectures) one number per layer."""
+    if value is None:
+        return []
+    if hasattr(value, "__len__"):
+        return [int(v) for v in value]
+    return [int(value)] * max(layers, 1)
+
+
+def _millions_or_billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _uniform(values: list[int]):
+    return values[0] if values and len(set(values)) == 1 else values or None
+
+
+def cmd_show(args) -> int:
+    from kiln.store import Store
+
+    info = describe(Store().resolve(args.model))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    types = ", ".join(f"{name} ×{count}" for name, count in info["tensor_types"].items())
+    footprint = (
+        f"{human_bytes(info['footprint_bytes'])} = weights {human_bytes(info['weights_bytes'])}"
+        f" + KV cache {human_bytes(info['kv_cache_bytes'])} ({info['context_length']} tokens, fp32)"
+    )
+    fields = [
+        ("model", info["tag"]),
+        ("name", info["name"]),
+        ("file", info["path"]),
+        ("sha256", info["sha256"]),
+        ("size", f"{human_bytes(info['size'])} ({info['size']} bytes)"),
+        ("family", info["family"]),
+        ("parameters", f"{_millions_or_billions(info['parameters'])} ({info['parameters']:,})"),
+        ("quantization", f"{info['quantization']} (tensors: {types})"),
+        ("context", info["context_length"]),
+        ("embedding", info["embedding_length"]),
+        ("layers", info["layers"]),
+        ("heads", f"{info['heads']} (kv heads {info['kv_heads']}, head dim {info['head_dim']})"),
+        ("footprint", footprint),
+        ("labels", ", ".join(info["labels"]) or "-"),
+    ]
+    for key, value in fields:
+        print(f"  {key:<13} {value}")
+    template = info["chat_template"]
+    if not template:
+        print("  chat template (none)")
+        return 0
+    lines = template.splitlines()
+    shown = lines if args.template else lines[:TEMPLATE_PREVIEW_LINES]
+    cut = "" if len(shown) == len(lines) else f" (first {len(shown)} of {len(lines)} lines; --template for all)"
+    print(f"  chat template{cut}")
+    for line in shown:
+        print(f"    {line}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from kiln.store import Store
+
+    results = Store().verify(args.model, progress=True)
+    if not results:
+        print("no models installed")
+    for tag, ok, message in results:
+        if ok:
+            print(f"{tag}: {message}")
+        else:
+            print(f"kiln: error: {tag}: {message}", file=sys.stderr)
+    return 0 if all(ok for _, ok, _ in results) else 1

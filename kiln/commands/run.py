@@ -1,0 +1,201 @@
+"""`kiln run`: one-shot generation or an interactive chat, streamed as tokens arrive."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.errors import KilnError
+
+HELP = """Commands:
+  /set temperature|top_p|top_k|min_p|seed|num_predict|system VALUE
+  /show      model details        /verbose   toggle timing stats
+  /clear     forget the chat      /bye       exit
+  /?         this help"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="chat with a model, or answer one prompt",
+                       description="Run a model: one-shot with PROMPT (or piped stdin), otherwise an interactive chat.")
+    p.add_argument("model", nargs="?", default=None, help="tag (e.g. smollm2:135m) or path to a .gguf")
+    p.add_argument("prompt", nargs="*", help="prompt for a one-shot answer")
+    add_generation_args(p)
+    p.add_argument("--system", help="system message")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--verbose", action="store_true", help="print timing stats after each answer")
+    p.set_defaults(func=cmd_run)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--temperature", type=float, help="0 for greedy (default 0.8)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repeat-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("-n", "--num-predict", type=int, help="most tokens to generate (default: until the context is full)")
+    g.add_argument("-c", "--ctx-len", type=int, help="context length (default min(model's, 4096))")
+    g.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
+    g.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
+
+
+def sampling_from_args(args, defaults: dict):
+    """Ollama's defaults, then the model's own (from the catalog), then the command line."""
+    from kiln.engine.sampler import SamplingParams
+
+    return SamplingParams().replace(**defaults).replace(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, seed=args.seed)
+
+
+class Chat:
+    """A conversation on one KV slot; each turn reuses the KV of the prefix it shares with the last."""
+
+    def __init__(self, model, params, num_predict, system, raw):
+        self.model, self.params, self.num_predict, self.system, self.raw = model, params, num_predict, system, raw
+        self.messages: list[dict] = []
+        self.slot_tokens: list[int] = []
+        self.verbose = False
+
+    def clear(self) -> None:
+        self.messages, self.slot_tokens = [], []
+
+    def prompt_ids(self, text: str) -> list[int]:
+        tok = self.model.tokenizer
+        if self.raw:
+            return tok.encode(text)
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}]))
+
+    def ask(self, text: str, out=sys.stdout) -> None:
+        from kiln.engine.generate import common_prefix, generate
+        from kiln.engine.sequence import Sequence, plan_budget
+
+        m = self.model
+        ids = self.prompt_ids(text)
+        budget = plan_budget(len(ids), self.num_predict, m.n_ctx)
+        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids)
+        cached = common_prefix(self.slot_tokens, ids)
+        self.slot_tokens = []  # until the answer completes, the slot's contents are unknown
+        for piece in generate(m.engine, seq, cached=cached):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        out.flush()
+        self.slot_tokens = seq.all_ids[:-1]  # the last sampled token was never fed back
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": seq.text}]
+        if self.verbose:
+            print_stats(seq, m, file=sys.stderr)
+
+
+def print_stats(seq, model, file) -> None:
+    t = seq.timings
+    used = len(seq.all_ids)
+    print(
+        f"prompt tokens:   {t.prompt_tokens} ({t.cached_tokens} cached)\n"
+        f"context used:    {used} / {model.n_ctx} ({100.0 * used / model.n_ctx:.1f}%)\n"
+        f"load time:       {model.load_ms:.0f} ms\n"
+        f"TTFT:            {t.ttft_ms:.1f} ms\n"
+        f"prefill:         {t.prefill_tps:.1f} tok/s\n"
+        f"decode:          {t.decode_tps:.1f} tok/s ({t.completion_tokens} tokens)\n"
+        f"finish reason:   {seq.finish_reason}",
+        file=file,
+    )
+
+
+def cmd_run(args) -> int:
+    from kiln.engine.model import load
+    from kiln.store import DEFAULT_MODEL
+
+    prompt = " ".join(args.prompt)
+    if not prompt and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    model = load(args.model or DEFAULT_MODEL, backend=args.backend, n_ctx=args.ctx_len, threads=args.threads)
+    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, args.system, args.raw)
+    chat.verbose = args.verbose
+    if prompt:
+        chat.ask(prompt)
+        return 0
+    return interactive(chat)
+
+
+def interactive(chat: Chat) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(f"kiln: chatting with {chat.model.tag}. /? for help, /bye to exit.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if slash_command(chat, line):
+                return 0
+            continue
+        try:
+            chat.ask(line)
+        except KeyboardInterrupt:
+            print()
+        except KilnError as e:
+            print(f"kiln: error: {e}", file=sys.stderr)
+
+
+def slash_command(chat: Chat, line: str) -> bool:
+    """Run a /command; True means exit."""
+    words = line.split(maxsplit=2)
+    cmd = words[0]
+    if cmd in ("/bye", "/exit", "/quit"):
+        return True
+    if cmd == "/clear":
+        chat.clear()
+        print("Cleared the chat and its context.", file=sys.stderr)
+    elif cmd == "/verbose":
+        chat.verbose = not chat.verbose
+        print(f"Verbose stats {'on' if chat.verbose else 'off'}.", file=sys.stderr)
+    elif cmd == "/show":
+        show_model(chat)
+    elif cmd == "/set" and len(words) == 3:
+        set_option(chat, words[1], words[2])
+    elif cmd in ("/?", "/help"):
+        print(HELP, file=sys.stderr)
+    else:
+        print(f"Unknown command {line!r}. /? for help.", file=sys.stderr)
+    return False
+
+
+def set_option(chat: Chat, name: str, value: str) -> None:
+    try:
+        if name == "system":
+            chat.system = value
+        elif name == "num_predict":
+            chat.num_predict = int(value) if int(value) >= 0 else None
+        elif name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            chat.params = chat.params.replace(**{name: float(value)})
+        elif name in ("top_k", "seed"):
+            chat.params = chat.params.replace(**{name: int(value)})
+        else:
+            print(f"Unknown option {name!r}. /? for help.", file=sys.stderr)
+            return
+    except (ValueError, KilnError) as e:
+        print(f"Invalid value for {name}: {e}", file=sys.stderr)
+        return
+    print(f"Set {name} to {value}.", file=sys.stderr)
+
+
+def show_model(chat: Chat) -> None:
+    m, c, p = chat.model, chat.model.config, chat.params
+    print(
+        f"model:        {m.tag} ({c.name})\narchitecture: {c.architecture}, {c.n_layers} layers, dim {c.dim}, "
+        f"{c.n_heads} heads ({c.n_kv_heads} kv), vocab {c.vocab_size}\n"
+        f"context:      {m.n_ctx} of {c.context_length}\nbackend:      {m.engine.name}\n"
+        f"sampling:     temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}, min_p {p.min_p}, "
+        f"repeat_penalty {p.repeat_penalty}, seed {p.seed}\nnum_predict:  {chat.num_predict}",
+        file=sys.stderr,
+    )

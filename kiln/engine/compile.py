@@ -1,0 +1,354 @@
+"""From a family's graph to a native plan.
+
+The family's forward pass runs once against `Recorder`, which returns symbolic nodes instead of
+arrays. `Lowering` then walks that small graph and emits the fused ops the C executor knows:
+
+    rmsnorm → linear            NORM_QUANT (normalize and quantize the activations once)
+    linear q/k/v → [qk-norm] → rope → attention
+                                QKV (projections, per-head norm and rope, KV cache store) + ATTN
+    add(x, linear(h))           MATMUL with the residual added as it is stored
+    add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
+    glu(h, gate, up)            GLU (both projections and the activation in one pass)
+    logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS
+
+Buffers are symbolic until every op is emitted; then they get arena offsets, either all distinct
+(decode plans, whose chunks may be re-run — see csrc/pool.h) or reused once dead (prefill plans).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.models.base import Rope
+
+
+@dataclass(eq=False)
+class Node:
+    kind: str
+    inputs: tuple = ()
+    params: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """`Ops` that records the graph instead of computing it."""
+
+    def embed(self, table, scale=1.0):
+        return Node("embed", (), {"table": table, "scale": scale})
+
+    def rmsnorm(self, x, weight, eps, heads=1):
+        return Node("rmsnorm", (x,), {"weight": weight, "eps": eps, "heads": heads})
+
+    def linear(self, x, weight, bias=None):
+        return Node("linear", (x,), {"weight": weight, "bias": bias})
+
+    def rope(self, x, rope, heads):
+        return Node("rope", (x,), {"rope": rope, "heads": heads})
+
+    def attention(self, layer, q, k, v, attn):
+        return Node("attention", (q, k, v), {"layer": layer, "attn": attn})
+
+    def glu(self, x, gate, up, act):
+        return Node("glu", (x,), {"gate": gate, "up": up, "act": act})
+
+    def add(self, a, b):
+        return Node("add", (a, b))
+
+    def logits(self, x, weight):
+        return Node("logits", (x,), {"weight": weight})
+
+
+@dataclass(eq=False)
+class Buf:
+    """A symbolic buffer; `offset` is assigned after all ops are emitted."""
+
+    nbytes: int
+    offset: int = -1
+
+
+class CompileError(Exception):
+    """The graph uses a pattern the native executor has no op for (a kiln bug, not a user error)."""
+
+
+class Lowering:
+    """Emits op dicts (field name → value) for a recorded graph. `weights` resolves tensor names:
+    `matrix(name)` → packed matrix (has .address, .layout), `vector(name)` → float32 array."""
+
+    def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes):
+        self.n, self.weights, self.cfg, self.rows, self.out_rows = native, weights, config, rows, out_rows
+        self.n_ctx, self.threads, self.kv, self.ropes = n_ctx, threads, kv, ropes
+        self.ops: list[dict] = []
+        self.values: dict[Node, Buf] = {}
+        self.acts: dict[Node, dict[int, Buf]] = {}
+        self.consumers: dict[Node, set[int]] = {}  # node → weight formats that read it
+        self.scratch_floats = 1
+        self.logits: Buf | None = None
+
+    # ---- public ----------------------------------------------------------------------------------
+    def lower(self, root: Node) -> None:
+        self._note_consumers(root, set())
+        if root.kind != "logits":
+            raise CompileError(f"a graph must end in logits, not {root.kind}")
+        self._logits(root)
+
+    # ---- analysis --------------------------------------------------------------------------------
+    def _fmt(self, name: str) -> int:
+        return self.weights.matrix(name).layout["fmt"]
+
+    def _note_consumers(self, node: Node, seen: set) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        reads = {"linear": ["weight"], "glu": ["gate", "up"], "logits": ["weight"]}.get(node.kind, [])
+        for key in reads:
+            self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(node.params[key]))
+        for child in node.inputs:
+            self._note_consumers(child, seen)
+
+    def _layouts(self, fmts) -> dict[int, int]:
+        """Activation layouts (kind → a format that reads it): formats of one kind share a buffer."""
+        kinds: dict[int, int] = {}
+        for fmt in sorted(fmts):
+            kinds.setdefault(self.n.act_kind(fmt), fmt)
+        return kinds
+
+    # ---- buffers ---------------------------------------------------------------------------------
+    def _floats(self, width: int, rows: int | None = None) -> Buf:
+        return Buf(4 * width * (rows or self.rows))
+
+    def _emit(self, **op) -> dict:
+        self.ops.append(op)
+        return op
+
+    def _chunk_tiles(self, wmat) -> int:
+        lay = wmat.layout
+        tiles = lay["rows_padded"] // 4
+        by_balance = -(-tiles // (4 * self.threads))
+        by_size = max(1, 65536 // max(1, lay["tile_bytes"]))
+        return max(1, min(by_balance, by_size))
+
+    def _scratch(self, floats: int) -> None:
+        self.scratch_floats = max(self.scratch_floats, floats)
+
+    # ---- values and activations --------------------------------------------------------------------
+    def value(self, node: Node) -> Buf:
+        if node not in self.values:
+            lower = getattr(self, f"_value_{node.kind}", None)
+            if lower is None:
+                raise CompileError(f"no native op computes a standalone {node.kind}")
+            self.values[node] = lower(node)
+        return self.values[node]
+
+    def act(self, node: Node) -> dict[int, tuple[int, Buf]]:
+        """Quantized copies of `node`'s value, one per activation layout its consumers read."""
+        if node not in self.acts:
+            width = self._width(node)
+            bufs = {kind: (fmt, Buf(self.n.act_size(fmt, width, self.rows)))
+                    for kind, fmt in self._layouts(self.consumers.get(node, ())).items()}
+            fields = self._act_fields(bufs, width)
+            if node.kind == "rmsnorm" and node.params["heads"] == 1:
+                self._emit(kind=self.n.OP_NORM_QUANT, op_class=2, **fields, in_=self.value(node.inputs[0]),
+                           out=self._floats(width), norm_w=self.weights.vector(node.params["weight"]),
+                           eps=node.params["eps"])
+            else:
+                self._emit(kind=self.n.OP_QUANT, op_class=2, **fields, in_=self.value(node))
+            self.acts[node] = bufs
+        return self.acts[node]
+
+    def _act_fields(self, bufs: dict[int, tuple[int, Buf]], width: int) -> dict:
+        fields: dict[str, Any] = {"n_act": len(bufs), "cols": width}
+        for i, (fmt, buf) in enumerate(bufs.values()):
+            fields[f"act_fmt[{i}]"] = fmt
+            fields[f"act[{i}]"] = buf
+            fields[f"act_stride[{i}]"] = buf.nbytes // self.rows
+        return fields
+
+    def _act_index(self, node: Node, weight: str) -> tuple[dict, int]:
+        bufs = self.act(node)
+        return bufs, list(bufs).index(self.n.act_kind(self._fmt(weight)))
+
+    def _width(self, node: Node) -> int:
+        c = self.cfg
+        if node.kind in ("embed", "add"):
+            return c.dim
+        if node.kind == "rmsnorm":
+            return self._width(node.inputs[0])
+        if node.kind == "glu":
+            return self.weights.matrix(node.params["gate"]).layout["rows"]
+        if node.kind == "attention":
+            a = node.params["attn"]
+            return a.n_heads * a.head_dim
+        if node.kind == "linear":
+            return self.weights.matrix(node.params["weight"]).layout["rows"]
+        raise CompileError(f"width of {node.kind} is unknown")
+
+    # ---- lowering rules ------------------------------------------------------------------------------
+    def _value_embed(self, node: Node) -> Buf:
+        out = self._floats(self.cfg.dim)
+        table = self.weights.table(node.params["table"])
+        self._emit(kind=self.n.OP_EMBED, op_class=4, cols=self.cfg.dim, out=out, scale=node.params["scale"],
+                   table=table.address, table_type=table.ggml_type, table_row_bytes=table.row_bytes)
+        return out
+
+    def _value_add(self, node: Node) -> Buf:
+        residual, branch = node.inputs
+        res = self.value(residual)
+        out = self._floats(self.cfg.dim)
+        if branch.kind == "linear" and branch.params["bias"] is None:
+            self._matmul(branch, out, res)
+        elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear":
+            tmp = self._floats(self.cfg.dim)
+            self._matmul(branch.inputs[0], tmp, None)
+            self._emit(kind=self.n.OP_NORM_ADD, op_class=2, cols=self.cfg.dim, in_=tmp, res=res, out=out,
+                       norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
+        else:
+            raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
+        return out
+
+    def _matmul(self, linear: Node, out: Buf, res: Buf | None) -> None:
+        w = self.weights.matrix(linear.params["weight"])
+        acts, idx = self._act_index(linear.inputs[0], linear.params["weight"])
+        fields = self._act_fields(acts, self._width(linear.inputs[0]))
+        chunk = self._chunk_tiles(w)
+        if res is not None:
+            self._scratch(self.rows * chunk * 4)
+        self._emit(kind=self.n.OP_MATMUL, op_class=0, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
+                   out=out, res=res, chunk_tiles=chunk)
+
+    def _value_glu(self, node: Node) -> Buf:
+        gate, up = (self.weights.matrix(node.params[k]) for k in ("gate", "up"))
+        acts, gi = self._act_index(node.inputs[0], node.params["gate"])
+        _, ui = self._act_index(node.inputs[0], node.params["up"])
+        rows = gate.layout["rows"]
+        out = self._floats(rows)
+        chunk = min(self._chunk_tiles(gate), self._chunk_tiles(up))
+        self._scratch(2 * self.rows * chunk * 4)
+        act = {"silu": self.n.ACT_SILU, "gelu_tanh": self.n.ACT_GELU_TANH}[node.params["act"]]
+        self._emit(kind=self.n.OP_GLU, op_class=0, **self._act_fields(acts, self._width(node.inputs[0])), rows=rows,
+                   w=gate.address, w2=up.address, w_act=gi, w2_act=ui, glu_act=act, out=out, chunk_tiles=chunk)
+        return out
+
+    def _value_attention(self, node: Node) -> Buf:
+        layer, attn = node.params["layer"], node.params["attn"]
+        (q_lin, q_norm, rope), (k_lin, k_norm, k_rope), (v_lin, v_norm, v_rope) = (
+            self._projection(x) for x in node.inputs)
+        if v_norm is not None or v_rope is not None or rope is None or rope != k_rope:
+            raise CompileError("attention expects rope on q and k, and a plain v projection")
+        h = q_lin.inputs[0]
+        if k_lin.inputs[0] is not h or v_lin.inputs[0] is not h:
+            raise CompileError("q, k and v must project the same input")
+        acts = self.act(h)
+        fields = self._act_fields(acts, self._width(h))
+        hd = attn.head_dim
+        q = self._floats(attn.n_heads * hd)
+        norms = {}
+        for prefix, norm in (("qnorm", q_norm), ("knorm", k_norm)):
+            if norm is not None:
+                norms[f"{prefix}.weight"] = self.weights.vector(norm.params["weight"])
+                norms[f"{prefix}.eps"] = norm.params["eps"]
+        cos, sin = self.ropes(rope)
+        k_cache, v_cache = self.kv(layer)
+        index = {}
+        for name, lin in (("q", q_lin), ("k", k_lin), ("v", v_lin)):
+            index[f"w{name}"] = self.weights.matrix(lin.params["weight"]).address
+            index[f"{name}_act"] = list(acts).index(self.n.act_kind(self._fmt(lin.params["weight"])))
+            if lin.params["bias"] is not None:
+                index[f"b{name}"] = self.weights.vector(lin.params["bias"])
+        self._scratch(self.rows * hd + hd)
+        common = dict(layer=layer, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=hd, q=q,
+                      k_cache=k_cache, v_cache=v_cache)
+        self._emit(kind=self.n.OP_QKV, op_class=0, **fields, **index, **norms, **common,
+                   **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
+        out = self._floats(attn.n_heads * hd)
+        group = attn.n_heads // attn.n_kv_heads
+        self._scratch(group * (self.n_ctx + hd) + hd)
+        self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0)
+        return out
+
+    @staticmethod
+    def _projection(node: Node) -> tuple[Node, Node | None, Rope | None]:
+        """Unwrap [rope ←] [per-head rmsnorm ←] linear."""
+        rope = norm = None
+        if node.kind == "rope":
+            rope, node = node.params["rope"], node.inputs[0]
+        if node.kind == "rmsnorm" and node.params["heads"] > 1:
+            norm, node = node, node.inputs[0]
+        if node.kind != "linear":
+            raise CompileError(f"attention input must be a projection, found {node.kind}")
+        return node, norm, rope
+
+    def _logits(self, node: Node) -> None:
+        x = node.inputs[0]
+        if x.kind != "rmsnorm":
+            raise CompileError("logits expect a normalized input")
+        w = self.weights.matrix(node.params["weight"])
+        fmt = w.layout["fmt"]
+        width = self._width(x)
+        act = Buf(self.n.act_size(fmt, width, self.out_rows))
+        fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act,
+                  "act_stride[0]": act.nbytes // self.out_rows}
+        self._emit(kind=self.n.OP_NORM_QUANT, op_class=3, **fields, select_rows=1, in_=self.value(x.inputs[0]),
+                   out=self._floats(width, self.out_rows), norm_w=self.weights.vector(x.params["weight"]),
+                   eps=x.params["eps"])
+        vocab = w.layout["rows"]
+        self.logits = self._floats(vocab, self.out_rows)
+        self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, rows=vocab, w=w.address, w_act=0,
+                   out=self.logits, chunk_tiles=self._chunk_tiles(w))
+
+
+def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64) -> int:
+    """Give every Buf an arena offset; return the arena size. With `reuse`, a buffer's bytes go back
+    to a free list (by exact size) after the last op that touches it."""
+    first, last, order = {}, {}, []
+    for i, op in enumerate(ops):
+        for v in op.values():
+            if isinstance(v, Buf):
+                if id(v) not in first:
+                    first[id(v)] = i
+                    order.append(v)
+                last[id(v)] = i
+    for b in extra:
+        if id(b) not in first:
+            order.append(b)
+        first[id(b)], last[id(b)] = first.get(id(b), 0), len(ops)  # read by the caller after the run
+    size, free = 0, {}
+    releases: dict[int, list[Buf]] = {}
+    for b in order:
+        start = first[id(b)]
+        if reuse:
+            for i in sorted(k for k in releases if k < start):
+                for dead in releases.pop(i):
+                    free.setdefault(dead.nbytes, []).append(dead.offset)
+        slot = free.get(b.nbytes)
+        if reuse and slot:
+            b.offset = slot.pop()
+        else:
+            b.offset = size
+            size += -(-b.nbytes // align) * align
+        releases.setdefault(last[id(b)], []).append(b)
+    return size
+
+
+def encode_ops(native, ops: list[dict], base: int) -> bytes:
+    """Lay ops out as the C struct, with Buf fields resolved against the arena at `base`."""
+    import struct
+
+    layout, size = native.op_layout()
+    codes = {"i": "<i", "f": "<f", "p": "<Q", "z": "<Q"}
+    out = bytearray(size * len(ops))
+    for n, op in enumerate(ops):
+        for key, value in op.items():
+            name = "in" if key == "in_" else key
+            if name not in layout:
+                raise CompileError(f"op field {name!r} is not in kiln_op")
+            offset, code = layout[name]
+            if isinstance(value, Buf):
+                value = base + value.offset
+            elif value is None:
+                value = 0
+            elif hasattr(value, "ctypes"):
+                value = value.ctypes.data
+            struct.pack_into(codes[code], out, n * size + offset, value)
+    return bytes(out)
+
+

@@ -1,0 +1,43 @@
+"""The single-sequence loop: prefill, then sample → append → decode until the sequence finishes."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from kiln.engine.sequence import Sequence
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def generate(engine, seq: Sequence, cached: int = 0) -> Iterator[str]:
+    """Yield text as it is released. `cached` prompt tokens already sit in the slot's KV cache; at least
+    the last prompt token is always recomputed, since its logits are needed."""
+    cached = min(cached, len(seq.prompt_ids) - 1)
+    seq.timings.cached_tokens = cached
+    if seq.finished:
+        seq.finish(seq.finish_reason)
+        return
+    t0 = time.perf_counter()
+    logits = engine.forward(seq.prompt_ids[cached:], seq.slot, cached)
+    seq.timings.prefill_ms = (time.perf_counter() - t0) * 1e3
+    position = len(seq.prompt_ids)
+    try:
+        while True:
+            token = seq.sample(logits)
+            piece = seq.append(token)
+            if piece:
+                yield piece
+            if seq.finished:
+                break
+            logits = engine.forward([token], seq.slot, position)
+            position += 1
+    finally:
+        seq.finish("cancelled")

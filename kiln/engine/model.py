@@ -1,0 +1,66 @@
+"""Loading a model: resolve the tag through the store, parse the GGUF, build tokenizer and engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.errors import KilnError
+from kiln.gguf import GGUFFile
+from kiln.models import family_for
+from kiln.models.base import ModelConfig
+from kiln.tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+BACKENDS = ("auto", "native", "oracle")
+
+
+@dataclass
+class Model:
+    tag: str
+    path: Path
+    sha256: str
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+    engine: object
+    n_ctx: int
+    load_ms: float
+    cache_dir: Path | None = None
+    defaults: dict = field(default_factory=dict)  # the catalog's sampling defaults for this model
+
+    def close(self) -> None:
+        self.engine.close()
+        self.gguf.close()
+
+
+def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: int = 1,
+         threads: int | None = None, store=None, progress: bool = True) -> Model:
+    """Load a model by tag or GGUF path, pulling catalog tags that are not installed yet."""
+    from kiln.store import Store
+
+    if backend not in BACKENDS:
+        raise KilnError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    t0 = time.perf_counter()
+    store = store or Store()
+    record = store.ensure(ref, progress=progress)
+    cache_dir = store.cache_dir(record)
+    gguf = GGUFFile(record.path)
+    family = family_for(gguf)
+    cfg = family.config
+    n_ctx = min(cfg.context_length, DEFAULT_CTX) if n_ctx is None else n_ctx
+    if not 1 <= n_ctx <= cfg.context_length:
+        raise KilnError(f"context length {n_ctx} is outside 1..{cfg.context_length}, the most {record.tag} supports")
+    tokenizer = Tokenizer.from_gguf(gguf, cache_dir=cache_dir)
+    engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir)
+    load_ms = (time.perf_counter() - t0) * 1e3
+    defaults = dict(record.catalog.defaults) if record.catalog else {}
+    return Model(record.tag, Path(record.path), record.sha256, gguf, cfg, tokenizer, engine, n_ctx, load_ms,
+                 cache_dir, defaults)
+
+
+def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir):
+    from kiln.engine.oracle import OracleEngine
+
+    return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots)

@@ -1,0 +1,293 @@
+"""The native engine: weights repacked once (and cached next to the model), a preallocated fp16 KV
+cache, and plans compiled from the family's graph that C runs in one call per step.
+
+Three plans share the weights and the cache: two decode plans for up to `max_batch` rows, used on
+alternate steps (their buffers are single-assignment, so a stalled worker's late stores can never
+land on live data — see csrc/pool.h), and a prefill plan for chunks of up to `prefill_rows` rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kiln import __version__
+from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
+from kiln.engine.kv import check_span
+from kiln.engine.oracle import rope_angles
+from kiln.errors import KilnError, RequestError
+from kiln.gguf import GGUFFile
+from kiln.models import Family
+from kiln.models.base import Rope
+
+try:
+    from kiln import _native
+except ImportError:  # the extension did not build: the oracle engine still runs
+    _native = None
+
+CACHE_VERSION = 1
+
+
+def available() -> bool:
+    return _native is not None
+
+
+def physical_cores() -> int:
+    """Cores, not hardware threads: a second hyperthread adds no memory bandwidth."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        cpus = range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings)
+    return max(1, len(cores))
+
+
+@dataclass
+class Table:
+    """An embedding table read in place from the GGUF file, one row per token."""
+
+    array: np.ndarray
+    ggml_type: int
+    row_bytes: int
+
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
+
+
+class PackedWeights:
+    """Every matrix the graph multiplies by, repacked into kernel layouts in one huge-page arena.
+    The arena is written to `cache_dir` once, so later loads are one sequential read."""
+
+    def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None):
+        self.gguf = gguf
+        self.vectors: dict[str, np.ndarray] = {}
+        self.tables: dict[str, Table] = {}
+        self.from_cache = False
+        layouts = self._load(names, cache_dir) if cache_dir else None
+        if layouts is None:
+            layouts = self._pack(names)
+            if cache_dir:
+                self._save(cache_dir, layouts)
+        self.mats = {name: _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"],
+                                        lay["rows_padded"], lay["tile_bytes"]) for name, lay in layouts.items()}
+
+    def _cache_key(self) -> dict:
+        st = self.gguf.path.stat()
+        return {"version": CACHE_VERSION, "kiln": __version__, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def _load(self, names, cache_dir: Path):
+        index, blob = cache_dir / "packed.json", cache_dir / "packed.bin"
+        try:
+            meta = json.loads(index.read_text())
+        except (OSError, ValueError):
+            return None
+        if meta.get("key") != self._cache_key() or not set(names) <= set(meta["matrices"]):
+            return None
+        try:
+            self.arena = _native.Arena(meta["nbytes"])
+            self.arena.read_file(str(blob))
+        except OSError:
+            return None
+        self.from_cache = True
+        return {n: meta["matrices"][n] for n in names}
+
+    def _pack(self, names):
+        sizes = {}
+        for name in names:
+            t = self.gguf.info(name)
+            rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
+            sizes[name] = (t, rows, cols, _native.pack_size(int(t.type), rows, cols))
+        total, offsets = 0, {}
+        for name, (_, _, _, size) in sizes.items():
+            offsets[name] = total
+            total += -(-size // 4096) * 4096
+        self.arena = _native.Arena(max(total, 1))
+        layouts = {}
+        for name, (t, rows, cols, _) in sizes.items():
+            m = _native.pack_into(self.arena, offsets[name], int(t.type), self.gguf.raw(name), rows, cols)
+            layouts[name] = dict(m.layout, offset=offsets[name])
+        return layouts
+
+    def _save(self, cache_dir: Path, layouts) -> None:
+        """Atomically: a killed load leaves either the old cache or none, never half of one."""
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = cache_dir / f".packed.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(memoryview(self.arena))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, cache_dir / "packed.bin")
+            meta = {"key": self._cache_key(), "nbytes": self.arena.nbytes, "matrices": layouts}
+            tmp = cache_dir / f".packed.{os.getpid()}.json.tmp"
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, cache_dir / "packed.json")
+        except OSError:
+            pass  # a read-only store only costs the next load a repack
+
+    def matrix(self, name: str):
+        return self.mats[name]
+
+    def vector(self, name: str) -> np.ndarray:
+        if name not in self.vectors:
+            self.vectors[name] = np.ascontiguousarray(self.gguf.dequantize(name), dtype=np.float32).ravel()
+        return self.vectors[name]
+
+    def table(self, name: str) -> Table:
+        if name not in self.tables:
+            t = self.gguf.info(name)
+            raw = self.gguf.raw(name)
+            self.tables[name] = Table(raw, int(t.type), t.nbytes // t.shape[0])
+        return self.tables[name]
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes
+
+
+def matrices_of(root) -> list[str]:
+    """Names of the weights the graph multiplies by, in first-use order."""
+    names, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for key in ("weight", "gate", "up"):
+            if node.kind in ("linear", "glu", "logits") and key in node.params:
+                if node.params[key] not in names:
+                    names.append(node.params[key])
+        stack.extend(reversed(node.inputs))
+    return names
+
+
+class NativePlan:
+    """One compiled plan with its own arena of activations and per-row inputs."""
+
+    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, stealable: bool):
+        e = engine
+        low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table)
+        low.lower(root)
+        inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
+        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not stealable)
+        self.arena = _native.Arena(size)
+        base = self.arena.address
+        whole = np.frombuffer(self.arena, dtype=np.uint8)
+        self.inputs = {k: whole[b.offset : b.offset + b.nbytes].view(np.int32) for k, b in inputs.items()}
+        vocab = e.config.vocab_size
+        self.logits = whole[low.logits.offset : low.logits.offset + low.logits.nbytes].view(np.float32).reshape(-1, vocab)
+        self.ops = low.ops
+        self.rows, self.out_rows = rows, out_rows
+        self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
+                                 e.ropes, low), rows, e.n_ctx, e.n_slots, int(stealable), low.scratch_floats,
+                                 *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
+
+
+class NativeEngine:
+    name = "native"
+
+    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
+                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 64):
+        if _native is None:
+            raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
+        t0 = time.perf_counter()
+        self.gguf, self.config, self.n_ctx, self.n_slots = gguf, family.config, n_ctx, n_slots
+        self.threads = threads or physical_cores()
+        self.pool = _native.Pool(self.threads)
+        root = family.forward(Recorder(), self.config)
+        self.weights = PackedWeights(gguf, matrices_of(root), cache_dir)
+        cfg = self.config
+        kv_elems = n_slots * n_ctx * cfg.n_kv_heads * cfg.head_dim
+        self.kv_arena = _native.Arena(2 * 2 * cfg.n_layers * kv_elems)
+        self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16).reshape(cfg.n_layers, 2, kv_elems)
+        self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
+        self.max_batch, self.prefill_rows = max_batch, max(prefill_rows, max_batch + 1)
+        out = min(max_out, self.prefill_rows)
+        self.decode_plans = [NativePlan(self, root, max_batch, max_batch, True) for _ in range(2)]
+        self.prefill_plan = NativePlan(self, root, self.prefill_rows, out, False)
+        self._parity = 0
+        self._last_writes: set[tuple[int, int]] = set()
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+
+    # ---- resources the lowering asks for ---------------------------------------------------------
+    def kv_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._kv[layer, 0], self._kv[layer, 1]
+
+    def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
+        if rope not in self.ropes:
+            inv = rope.inv_freq(self.weights.vector)
+            cos, sin = rope_angles(rope, np.arange(self.n_ctx), inv)
+            self.ropes[rope] = (np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32))
+        return self.ropes[rope]
+
+    # ---- running -----------------------------------------------------------------------------------
+    def step(self, tokens, slots, positions, out_rows) -> np.ndarray:
+        """Run one batch of rows (any mix of sequences); return logits for `out_rows`, in order."""
+        n, n_out = len(tokens), len(out_rows)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.config.vocab_size)][0])
+            raise RequestError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size}", param="tokens")
+        if n <= self.max_batch:
+            plan = self.decode_plans[self._parity]
+            self._parity ^= 1
+        else:
+            plan = self.prefill_plan
+        if n > plan.rows or n_out > plan.out_rows:
+            raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows}")
+        writes = set(zip(map(int, slots), map(int, positions)))
+        epoch = self.pool.epoch
+        # A worker at most one step behind may still store into the KV cache: wait for it only when
+        # this step rewrites the positions the last step wrote (a rewound or reused slot).
+        min_epoch = epoch + 1 if writes & self._last_writes else epoch
+        self._last_writes = writes
+        inp = plan.inputs
+        inp["tokens"][:n] = tokens
+        inp["slots"][:n] = slots
+        inp["positions"][:n] = positions
+        inp["row_sel"][:n_out] = out_rows
+        plan.plan.run(n, n_out, min_epoch)
+        return plan.logits[:n_out].copy()
+
+    def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
+        tokens = list(tokens)
+        check_span(start, len(tokens), self.n_ctx)
+        chunk = self.prefill_plan.out_rows if all_logits else self.prefill_rows
+        results = []
+        for i in range(0, len(tokens), chunk):
+            part = tokens[i : i + chunk]
+            rows = list(range(len(part))) if all_logits else ([len(part) - 1] if i + chunk >= len(tokens) else [])
+            logits = self.step(part, [slot] * len(part), range(start + i, start + i + len(part)), rows)
+            results.append(logits)
+        return np.concatenate(results) if all_logits else results[-1][0]
+
+    def decode(self, tokens, slots, positions) -> np.ndarray:
+        out = []
+        for i in range(0, len(tokens), self.max_batch):
+            n = len(tokens[i : i + self.max_batch])
+            out.append(self.step(tokens[i : i + n], slots[i : i + n], positions[i : i + n], list(range(n))))
+        return np.concatenate(out)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        kv = self._kv.reshape(self.config.n_layers, 2, self.n_slots, self.n_ctx, -1)
+        kv[:, :, dst, :length] = kv[:, :, src, :length]
+
+    @property
+    def ops_per_step(self) -> int:
+        return self.decode_plans[0].plan.n_ops
+
+    def close(self) -> None:
+        self.decode_plans = []
+        self.prefill_plan = None

@@ -1,0 +1,153 @@
+"""The oracle: a family's graph executed eagerly in float32 numpy on dequantized weights.
+
+Slow and obviously right. Every fast path in kiln is tested against it, and it is the fallback when the
+native core is not available.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.engine.kv import KVCache, check_span
+from kiln.gguf import GGUFFile
+from kiln.models import Family
+from kiln.models.base import Attention, Rope
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def rope_angles(rope: Rope, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(positions.astype(np.float32) * np.float32(rope.position_scale), inv_freq.astype(np.float32))
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, rope: Rope, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    t = x.shape[0]
+    x = x.reshape(t, heads, -1).copy()
+    half = rope.dim // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    if rope.neox:
+        a, b = x[..., :half].copy(), x[..., half : rope.dim].copy()
+        x[..., :half], x[..., half : rope.dim] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., 0 : rope.dim : 2].copy(), x[..., 1 : rope.dim : 2].copy()
+        x[..., 0 : rope.dim : 2], x[..., 1 : rope.dim : 2] = a * c - b * s, b * c + a * s
+    return x.reshape(t, -1)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, attn: Attention) -> np.ndarray:
+    """Causal (optionally sliding-window) attention of queries at `positions` over keys 0..max(positions)."""
+    t, n_ctx = q.shape[0], keys.shape[0]
+    group = attn.n_heads // attn.n_kv_heads
+    qh = q.reshape(t, attn.n_kv_heads, group, attn.head_dim)
+    scores = np.einsum("tkgd,skd->kgts", qh, keys) * np.float32(attn.scale)  # (kv, group, t, s)
+    key_pos = np.arange(n_ctx)
+    visible = key_pos[None, :] <= positions[:, None]
+    if attn.window is not None:
+        visible &= key_pos[None, :] > positions[:, None] - attn.window
+    scores = np.where(visible, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.einsum("kgts,skd->tkgd", p, values)
+    return out.reshape(t, attn.n_heads * attn.head_dim)
+
+
+class NumpyOps:
+    """`Ops` executed eagerly for one sequence's span of tokens."""
+
+    def __init__(self, engine: "OracleEngine", tokens: np.ndarray, slot: int, start: int, all_logits: bool):
+        self.e, self.tokens, self.slot, self.all_logits = engine, tokens, slot, all_logits
+        self.positions = np.arange(start, start + len(tokens))
+        self.hidden: list[np.ndarray] = []  # residual stream after each layer, for diagnosis
+
+    def embed(self, table, scale=1.0):
+        return self.e.weight(table)[self.tokens] * np.float32(scale)
+
+    def rmsnorm(self, x, weight, eps, heads=1):
+        t = x.shape[0]
+        xh = x.reshape(t, heads, -1)
+        inv = 1.0 / np.sqrt(np.mean(xh * xh, axis=-1, keepdims=True) + np.float32(eps))
+        return ((xh * inv) * self.e.weight(weight)).reshape(t, -1).astype(np.float32, copy=False)
+
+    def linear(self, x, weight, bias=None):
+        y = x @ self.e.weight(weight).T
+        return y + self.e.weight(bias) if bias is not None else y
+
+    def rope(self, x, rope, heads):
+        cos, sin = rope_angles(rope, self.positions, self.e.inv_freq(rope))
+        return apply_rope(x, rope, heads, cos, sin)
+
+    def attention(self, layer, q, k, v, attn):
+        keys, values = self.e.kv.write(layer, self.slot, self.positions[0], k, v, attn.n_kv_heads)
+        end = self.positions[-1] + 1
+        out = attend(q, keys[:end], values[:end], self.positions, attn)
+        if self.e.debug_hook is not None:
+            out = self.e.debug_hook(layer, out)
+        return out
+
+    def glu(self, x, gate, up, act):
+        return ACTIVATIONS[act](self.linear(x, gate)) * self.linear(x, up)
+
+    def add(self, a, b):
+        self.hidden.append(a + b)
+        return self.hidden[-1]
+
+    def logits(self, x, weight):
+        rows = x if self.all_logits else x[-1:]
+        return self.linear(rows, weight)
+
+
+class OracleEngine:
+    """Runs a family's graph with NumpyOps. `forward` prefills or decodes one sequence slot; `decode`
+    advances several slots by one token each."""
+
+    name = "oracle"
+
+    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1):
+        self.gguf, self.config, self.forward_fn = gguf, family.config, family.forward
+        self.n_ctx, self.n_slots = n_ctx, n_slots
+        cfg = self.config
+        self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, np.float32)
+        self._weights: dict[str, np.ndarray] = {}
+        self._inv_freq: dict[Rope, np.ndarray] = {}
+        self.debug_hook = None  # tests corrupt one layer through this to show the accuracy gates can fail
+        self.last_hidden: list[np.ndarray] = []
+
+    def weight(self, name: str) -> np.ndarray:
+        w = self._weights.get(name)
+        if w is None:
+            w = self._weights[name] = self.gguf.dequantize(name)
+        return w
+
+    def inv_freq(self, rope: Rope) -> np.ndarray:
+        if rope not in self._inv_freq:
+            self._inv_freq[rope] = rope.inv_freq(self.weight)
+        return self._inv_freq[rope]
+
+    def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
+        """Logits (vocab,) for the last token, or (len(tokens), vocab) with `all_logits`."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        check_span(start, len(tokens), self.n_ctx)
+        ops = NumpyOps(self, tokens, slot, start, all_logits)
+        logits = self.forward_fn(ops, self.config)
+        self.last_hidden = ops.hidden
+        return logits if all_logits else logits[0]
+
+    def decode(self, tokens, slots, positions) -> np.ndarray:
+        return np.stack([self.forward([t], s, p) for t, s, p in zip(tokens, slots, positions)])
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.kv.copy(src, dst, length)
+
+    def close(self) -> None:
+        self._weights.clear()

@@ -1,0 +1,285 @@
+"""GGUF in: metadata and tensor views over one memory map of the file.
+
+The header is parsed here rather than with `gguf.GGUFReader` because that reader builds several numpy
+objects per vocabulary string (24 s to open a 262k-token vocabulary); this parser reads the same
+format in well under a second. Constants, block sizes and the reference dequantization all come from
+the `gguf` package, which stays the oracle for tensor contents.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import quants as gguf_quants
+
+from kiln.errors import ModelFileError, UnsupportedModelError
+
+QT = GGMLQuantizationType
+
+# Tensor types kiln runs. Every one of them has a repacked kernel format in the native core.
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: ("<B", 1),
+    GGUFValueType.INT8: ("<b", 1),
+    GGUFValueType.UINT16: ("<H", 2),
+    GGUFValueType.INT16: ("<h", 2),
+    GGUFValueType.UINT32: ("<I", 4),
+    GGUFValueType.INT32: ("<i", 4),
+    GGUFValueType.FLOAT32: ("<f", 4),
+    GGUFValueType.BOOL: ("<?", 1),
+    GGUFValueType.UINT64: ("<Q", 8),
+    GGUFValueType.INT64: ("<q", 8),
+    GGUFValueType.FLOAT64: ("<d", 8),
+}
+_NUMPY_DTYPES = {
+    GGUFValueType.UINT8: "<u1",
+    GGUFValueType.INT8: "<i1",
+    GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4",
+    GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8",
+    GGUFValueType.FLOAT64: "<f8",
+}
+_MAX_DIMS = 4
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: (rows, cols) for a matrix; cols is GGUF's ne0
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    return int(np.prod(shape)) // block * size
+
+
+class _Cursor:
+    """Reads GGUF's little-endian fields, naming the offset of anything out of bounds."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def fail(self, what: str, offset: int | None = None) -> ModelFileError:
+        at = self.pos if offset is None else offset
+        return ModelFileError(f"{self.path}: {what} (at byte offset {at}, file size {len(self.buf)})")
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise self.fail(f"truncated while reading {what}: need {n} bytes")
+        view = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def scalar(self, vtype: GGUFValueType, what: str):
+        fmt, size = _SCALAR_FORMATS[vtype]
+        return struct.unpack(fmt, self.take(size, what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar(GGUFValueType.UINT32, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(GGUFValueType.UINT64, what)
+
+    def string(self, what: str) -> str:
+        start = self.pos
+        n = self.u64(f"length of {what}")
+        raw = self.take(n, what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not valid UTF-8 ({e.reason})", start) from None
+
+    def value(self, vtype: int, key: str) -> Any:
+        try:
+            vtype = GGUFValueType(vtype)
+        except ValueError:
+            raise self.fail(f"metadata key {key!r} has unknown value type {vtype}", self.pos - 4) from None
+        if vtype == GGUFValueType.STRING:
+            return self.string(f"value of {key!r}")
+        if vtype != GGUFValueType.ARRAY:
+            return self.scalar(vtype, f"value of {key!r}")
+        item_type = self.u32(f"array type of {key!r}")
+        count = self.u64(f"array length of {key!r}")
+        if count > len(self.buf) - self.pos:
+            raise self.fail(f"metadata key {key!r} claims {count} array items, more than the file holds")
+        if item_type in _NUMPY_DTYPES:
+            dtype = np.dtype(_NUMPY_DTYPES[GGUFValueType(item_type)])
+            raw = self.take(count * dtype.itemsize, f"array {key!r}")
+            return np.frombuffer(raw, dtype=dtype).copy()
+        if item_type == GGUFValueType.STRING:
+            return self._string_array(count, key)
+        return [self.value(item_type, key) for _ in range(count)]
+
+    def _string_array(self, count: int, key: str) -> list[str]:
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                raise self.fail(f"truncated in string {i} of array {key!r}")
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                raise self.fail(f"string {i} of array {key!r} runs past the end of the file")
+            out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+
+class GGUFFile:
+    """A parsed GGUF file: `metadata`, `tensors` (by name), and zero-copy views of tensor data."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot open model file ({e.strerror})") from None
+        if size < 24:
+            raise ModelFileError(f"{self.path}: not a GGUF file (only {size} bytes)")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        cur = _Cursor(memoryview(self._map), self.path)
+        magic = bytes(cur.take(4, "magic"))
+        if magic != GGUF_MAGIC:
+            raise cur.fail(f"not a GGUF file: magic is {magic!r}, expected {GGUF_MAGIC!r}", 0)
+        self.version = cur.u32("version")
+        if self.version not in (2, 3):
+            raise cur.fail(f"unsupported GGUF version {self.version} (kiln reads versions 2 and 3)", 4)
+        n_tensors = cur.u64("tensor count")
+        n_kv = cur.u64("metadata count")
+        if n_tensors > size // 24 or n_kv > size // 13:
+            raise cur.fail(
+                f"header claims {n_tensors} tensors and {n_kv} metadata keys, impossible for this size: "
+                "the file is truncated or corrupt", 8)
+
+        self.metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = cur.string(f"name of metadata key {i}")
+            self.metadata[key] = cur.value(cur.u32(f"value type of {key!r}"), key)
+
+        infos = []
+        for i in range(n_tensors):
+            start = cur.pos
+            name = cur.string(f"name of tensor {i}")
+            n_dims = cur.u32(f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise cur.fail(f"tensor {name!r} has {n_dims} dimensions (expected 1..{_MAX_DIMS})", start)
+            dims = [cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims)]
+            type_id = cur.u32(f"type of tensor {name!r}")
+            rel_offset = cur.u64(f"data offset of tensor {name!r}")
+            infos.append((name, dims, type_id, rel_offset, start))
+
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(f"{self.path}: general.alignment is {alignment}, not a power of two")
+        data_start = -(-cur.pos // alignment) * alignment
+        self.data_offset = data_start
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, rel_offset, header_at in infos:
+            self.tensors[name] = self._tensor_info(name, dims, type_id, data_start + rel_offset, header_at, size)
+
+    def _tensor_info(self, name, dims, type_id, offset, header_at, size) -> TensorInfo:
+        try:
+            ggml_type = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} (header at byte {header_at}) has unknown type id {type_id}; "
+                f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+            ) from None
+        if ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} has type {ggml_type.name}, which kiln does not run; "
+                f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+            )
+        block = GGML_QUANT_SIZES[ggml_type][0]
+        if any(d <= 0 for d in dims) or dims[0] % block:
+            raise ModelFileError(
+                f"{self.path}: tensor {name!r} has shape {dims}, invalid for {ggml_type.name} (block of {block})"
+            )
+        shape = tuple(int(d) for d in reversed(dims))
+        nbytes = tensor_nbytes(ggml_type, shape)
+        if offset + nbytes > size:
+            raise ModelFileError(
+                f"{self.path}: tensor {name!r} needs bytes {offset}..{offset + nbytes} but the file ends at "
+                f"{size}: the file is truncated"
+            )
+        return TensorInfo(name, ggml_type, shape, offset, nbytes)
+
+    # --- metadata -------------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFileError(f"{self.path}: metadata key 'general.architecture' is missing")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ModelFileError(f"{self.path}: required metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    # --- tensor data ------------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise ModelFileError(f"{self.path}: required tensor {name!r} is missing")
+        return self.tensors[name]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored: (rows, bytes per row) uint8 for quantized types, typed for floats."""
+        t = self.info(name)
+        data = self._map[t.offset : t.offset + t.nbytes]
+        if t.type == QT.F32:
+            return data.view(np.float32).reshape(t.shape)
+        if t.type == QT.F16:
+            return data.view(np.float16).reshape(t.shape)
+        if t.type == QT.BF16:
+            return data.view(np.uint16).reshape(t.shape)
+        return data.reshape(*t.shape[:-1], t.nbytes // int(np.prod(t.shape[:-1])))
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """Float32 values of a tensor, computed by the `gguf` package's reference dequantization."""
+        t = self.info(name)
+        raw = self.raw(name)
+        if t.type == QT.F32:
+            return np.array(raw, dtype=np.float32)
+        if t.type == QT.F16:
+            return raw.astype(np.float32)
+        return gguf_quants.dequantize(raw, t.type).astype(np.float32, copy=False).reshape(t.shape)
+
+    def file_size(self) -> int:
+        return int(self._map.shape[0])
+
+    def close(self) -> None:
+        mm = getattr(self._map, "_mmap", None)
+        self._map = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive; the map closes when the last view dies

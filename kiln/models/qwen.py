@@ -1,0 +1,17 @@
+"""Qwen2 and Qwen3: the Llama block (llama.py) with NeoX-style rotary embeddings.
+
+Qwen2 adds biases to the q, k and v projections. Qwen3 drops them and instead RMS-normalizes every
+query and key head before the rotation.
+"""
+
+from __future__ import annotations
+
+from kiln.gguf import GGUFFile
+from kiln.models import llama
+from kiln.models.llama import LlamaConfig, forward  # noqa: F401  (the family's forward pass)
+
+
+def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
+    if gguf.architecture == "qwen3":
+        return llama.config_from_gguf(gguf, neox=True, qk_norm=True)
+    return llama.config_from_gguf(gguf, neox=True, qkv_bias=True)

@@ -1,0 +1,145 @@
+"""Weight repacking and quantized matmul kernels (csrc/kernels.h), wrapped for numpy arrays.
+
+Packed weights and activation buffers are plain uint8 arrays; their byte layouts are documented in
+csrc/kernels.h. Every call checks buffer sizes in C, so a wrong shape raises instead of corrupting memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from kiln import _native
+
+ISAS = ("generic", "avx2", "avx512")
+
+
+class Format(IntEnum):
+    """Kernel weight formats (kiln_wfmt)."""
+
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    Q4 = 3  # Q4_1
+    Q4K = 4
+    Q5 = 5  # Q5_0
+    Q5K = 6
+    Q8 = 7  # Q8_0
+    Q6K = 8
+    Q4S = 9  # Q4_0
+
+
+class ActKind(IntEnum):
+    F32 = 0  # float formats: fp32 rows
+    Q8 = 1  # integer formats: int8 per 32-block with scales and sums
+
+
+def _isa_index(name: str) -> int:
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
+    return ISAS.index(name)
+
+
+def detect_isa() -> str:
+    """The best instruction set this CPU supports."""
+    return ISAS[_native.isa_detect()]
+
+
+def active_isa() -> str:
+    """The instruction set the kernels use. Raises if KILN_ISA names one that cannot be used."""
+    err = _native.isa_error()
+    if err:
+        raise RuntimeError(err)
+    return ISAS[_native.isa_active()]
+
+
+def isa_missing(name: str) -> str | None:
+    """The first CPU feature `name` needs that this CPU lacks, or None if it is usable."""
+    return _native.isa_missing(_isa_index(name))
+
+
+def force_isa(name: str) -> None:
+    """Use `name` from now on (RuntimeError if the CPU lacks it)."""
+    _native.isa_force(_isa_index(name))
+
+
+def format_for(ggml_type: int) -> Format:
+    f = _native.wfmt_for_ggml(int(ggml_type))
+    if f < 0:
+        raise ValueError(f"GGML type {int(ggml_type)} has no kernel format")
+    return Format(f)
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    fmt: Format
+    rows: int
+    cols: int
+    rows_padded: int
+    tile_bytes: int
+    data: np.ndarray  # uint8, kiln_pack_size bytes (tiles + read slack)
+
+    @property
+    def tiles(self) -> int:
+        return self.rows_padded // 4
+
+
+def pack_size(ggml_type: int, rows: int, cols: int) -> int:
+    return _native.pack_size(int(ggml_type), rows, cols)
+
+
+def pack(ggml_type: int, raw: np.ndarray, rows: int, cols: int, out: np.ndarray | None = None) -> PackedMatrix:
+    """Repack a tensor's GGUF bytes (e.g. GGUFFile.raw(name)) into its kernel format."""
+    size = pack_size(ggml_type, rows, cols)
+    if not size:
+        raise ValueError(f"cannot pack GGML type {int(ggml_type)} with shape ({rows}, {cols})")
+    dst = np.empty(size, np.uint8) if out is None else out
+    fmt, rows_padded, tile_bytes = _native.pack(int(ggml_type), np.ascontiguousarray(raw), rows, cols, dst)
+    return PackedMatrix(Format(fmt), rows, cols, rows_padded, tile_bytes, dst)
+
+
+def act_kind(fmt: Format) -> ActKind:
+    return ActKind(_native.act_kind(int(fmt)))
+
+
+def act_size(fmt: Format, cols: int, n_tok: int) -> int:
+    return _native.act_size(int(fmt), cols, n_tok)
+
+
+def quantize_act(fmt: Format, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Activations (n_tok, cols) float32 -> the buffer format `fmt` consumes."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    n_tok, cols = x.shape
+    act = np.empty(act_size(fmt, cols, n_tok), np.uint8) if out is None else out
+    ldx = cols
+    _native.quantize_act(int(fmt), x, ldx, cols, n_tok, act)
+    return act
+
+
+def matmul(w: PackedMatrix, act: np.ndarray, n_tok: int, out: np.ndarray | None = None, tile0: int = 0,
+           tile1: int | None = None) -> np.ndarray:
+    """y (n_tok, rows) = activations . weightsᵀ, for the rows of tiles [tile0, tile1) (others untouched)."""
+    y = np.zeros((n_tok, w.rows), np.float32) if out is None else out
+    if y.dtype != np.float32 or not y.flags.c_contiguous or y.ndim != 2 or y.shape != (n_tok, w.rows):
+        raise ValueError(f"out must be a C-contiguous float32 array of shape ({n_tok}, {w.rows})")
+    _native.matmul(int(w.fmt), w.rows, w.cols, w.tile_bytes, w.data, act, n_tok, y, w.rows, tile0,
+                   w.tiles if tile1 is None else tile1)
+    return y
+
+
+def matmul_f32(w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """Quantize fp32 activations (n_tok, cols) as the format needs, then multiply."""
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    return matmul(w, quantize_act(w.fmt, x), x.shape[0])
+
+
+def huge_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array on 2 MiB-aligned memory with transparent huge pages advised."""
+    return np.frombuffer(_native.huge_buffer(nbytes), dtype=np.uint8)
+
+
+def mem_read(buf: np.ndarray) -> int:
+    """Read every byte of `buf` once in C (the plain memory-bandwidth reference); returns a checksum."""
+    return _native.mem_read(buf)

@@ -1,0 +1,203 @@
+"""Random-weight GGUF models of any supported family and shape, written with `gguf`'s own writer.
+
+Tests use tiny ones to check kiln against transformers on architectures no real model here covers;
+benchmarks use full-size shapes (e.g. Qwen3-0.6B) to measure kernels on realistic matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int = 2048
+    tied: bool = True
+    sliding_window: int = 8
+
+
+SHAPES = {
+    "tiny-llama": Shape("llama", 64, 2, 4, 2, 16, 128, 512, tied=False),
+    "tiny-qwen2": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512),
+    "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
+    "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+}
+
+
+def byte_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def bpe_vocab(size: int, specials: list[str], rng: np.random.Generator) -> tuple[list[str], list[str], list[int]]:
+    """A byte-level BPE vocabulary: specials, the 256 bytes, then merges of frequent-looking pairs."""
+    tokens = list(specials) + list(byte_unicode().values())
+    types = [3] * len(specials) + [1] * 256
+    known, merges = set(tokens), []
+    letters = [byte_unicode()[b] for b in b" etaoinshrdlucmfwypvbgkqjxz"]
+    pieces = list(letters)
+    while len(tokens) < size:
+        a = pieces[int(rng.integers(len(pieces)))]
+        b = letters[int(rng.integers(len(letters)))]
+        if a + b in known or len(a) > 12:
+            continue
+        known.add(a + b)
+        tokens.append(a + b)
+        types.append(1)
+        merges.append(f"{a} {b}")
+        pieces.append(a + b)
+    return tokens, merges, types
+
+
+def spm_vocab(size: int, rng: np.random.Generator) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary in Gemma's layout: control tokens, byte fallbacks, then pieces."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    letters = list("▁etaoinshrdlucmfwypvbgkqjxz")
+    known = set(tokens) | set(letters)
+    tokens += letters
+    types += [1] * len(letters)
+    pieces = list(letters)
+    while len(tokens) < size:
+        piece = pieces[int(rng.integers(len(pieces)))] + letters[1 + int(rng.integers(len(letters) - 1))]
+        if piece in known or len(piece) > 10:
+            continue
+        known.add(piece)
+        tokens.append(piece)
+        types.append(1)
+        pieces.append(piece)
+    scores = [0.0 if t != 1 else -float(i) for i, t in enumerate(types)]
+    return tokens, scores, types
+
+
+def _tensor(rng, shape, scale):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, embed_qtype: QT | None = None,
+                      seed: int = 0, **overrides) -> Path:
+    """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`."""
+    if isinstance(shape, str):
+        shape = SHAPES[shape]
+    shape = replace(shape, **overrides)
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), shape.arch)
+    a = shape.arch
+    w.add_name(f"random {a} {shape.dim}x{shape.n_layers}")
+    w.add_context_length(shape.context_length)
+    w.add_embedding_length(shape.dim)
+    w.add_block_count(shape.n_layers)
+    w.add_feed_forward_length(shape.ffn_dim)
+    w.add_head_count(shape.n_heads)
+    w.add_head_count_kv(shape.n_kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+    if a == "gemma3":
+        w.add_sliding_window(shape.sliding_window)
+        tokens, scores, types = spm_vocab(shape.vocab_size, rng)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+        w.add_chat_template(GEMMA_TEMPLATE)
+    else:
+        tokens, merges, types = bpe_vocab(shape.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], rng)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if a.startswith("qwen") else "llama-bpe")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML_TEMPLATE)
+
+    def matrix(name, rows, cols, quant=qtype):
+        data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
+        _add(w, name, data, quant)
+
+    def norm(name, n):
+        _add(w, name, 1.0 + _tensor(rng, (n,), 0.1), QT.F32)
+
+    hd, q_dim, kv_dim = shape.head_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
+    for i in range(shape.n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", shape.dim)
+        matrix(p + "attn_q.weight", q_dim, shape.dim)
+        matrix(p + "attn_k.weight", kv_dim, shape.dim)
+        matrix(p + "attn_v.weight", kv_dim, shape.dim)
+        matrix(p + "attn_output.weight", shape.dim, q_dim)
+        if a == "qwen2":
+            for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                _add(w, p + f"attn_{n}.bias", _tensor(rng, (d,), 0.5), QT.F32)
+        if a in ("qwen3", "gemma3"):
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+        norm(p + "ffn_norm.weight", shape.dim)
+        matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+        matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+        matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+        if a == "gemma3":
+            norm(p + "post_attention_norm.weight", shape.dim)
+            norm(p + "post_ffw_norm.weight", shape.dim)
+    norm("output_norm.weight", shape.dim)
+    if not shape.tied:
+        matrix("output.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
+    if qtype == QT.F32:
+        writer.add_tensor(name, data)
+    elif qtype == QT.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

@@ -1,0 +1,365 @@
+"""Text to token ids and back, built from the vocabulary a GGUF file carries.
+
+llama.cpp is the reference for what the metadata means; the `tokenizers` library does the work.
+Two vocabulary kinds are supported:
+
+- `gpt2`: byte-level BPE. Text is split by the regexes `tokenizer.ggml.pre` names, then merged with
+  the file's merges.
+- `llama`: SentencePiece BPE (llama, Gemma). Spaces become "▁", characters the vocabulary lacks fall
+  back to `<0xXX>` byte tokens, and merges are derived from the vocabulary when the file has none.
+
+Control tokens (and unknown ones) are matched whole in the text when `parse_special` is on;
+user-defined tokens always are, as in llama.cpp. Decoding goes through a per-token table of the exact
+bytes each token stands for, so streamed text and decoded text agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+
+from kiln.errors import KilnError, ModelFileError
+from kiln.gguf import GGUFFile
+
+# llama.cpp's token types (gguf `tokenizer.ggml.token_type`).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_HIDDEN_WHEN_SKIPPING = (UNKNOWN, CONTROL, UNUSED)
+
+# Tokens that end generation when the vocabulary has them, besides the file's eos/eot/eom ids.
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "<|eom_id|>")
+
+# Pre-tokenizer regexes in their original (tokenizer.json) spelling, which the `tokenizers` regex
+# engine runs as written; llama.cpp's llama-vocab.cpp rewrites some of them for std::regex.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's fallback for BPE files that name no known pre-tokenizer.
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+def _pre(regexes: tuple[str, ...], *, ignore_merges: bool = False, add_bos: bool = False) -> dict:
+    return {"regexes": regexes, "ignore_merges": ignore_merges, "add_bos": add_bos}
+
+
+_LLAMA3_PRE = _pre((_LLAMA3,), ignore_merges=True, add_bos=True)
+_PRE_TOKENIZERS = {
+    "default": _pre(_DEFAULT),
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), _pre((_GPT2,))),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), _pre((r"\p{N}", _GPT2))),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), _LLAMA3_PRE),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _pre((_LLAMA3,))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _pre((_QWEN2,))),
+    **dict.fromkeys(("gpt-4o", "llama4"), _pre((_GPT4O,))),
+}
+
+# Bump when the cached tokenizer's construction changes, so stale caches are not reused.
+_CACHE_FORMAT = "kiln-spm-1"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, in which byte-level tokens are spelled."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, codes)}
+
+
+class Tokenizer:
+    """Encode and decode text for one model. Build it with `Tokenizer.from_gguf`."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, tokens: list[str], token_types: np.ndarray,
+                 token_bytes: list[bytes], *, bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 strip_space_prefix: bool, stop_ids: frozenset[int], chat_template: str | None, source: str):
+        self._backend = backend
+        self._tokens = tokens
+        self._types = token_types.tolist()
+        self._bytes = token_bytes
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self._strip_space_prefix = strip_space_prefix
+        self.stop_ids = stop_ids
+        self._file_chat_template = chat_template
+        self.source = source
+        # `encode_special_tokens` is a flag on the shared backend, so flipping it must not race.
+        self._lock = threading.Lock()
+
+    # --- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, cache_dir: Path | None = None) -> Tokenizer:
+        path, md = gguf.path, gguf.metadata
+        kind = gguf.require("tokenizer.ggml.model")
+        tokens = gguf.require("tokenizer.ggml.tokens")
+        n = len(tokens)
+        types = np.asarray(md.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
+        if len(types) != n:
+            raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        if len(set(tokens)) != n:
+            seen: set[str] = set()
+            dup = next(t for t in tokens if t in seen or seen.add(t))
+            raise ModelFileError(f"{path}: tokenizer.ggml.tokens lists {dup!r} more than once")
+
+        if kind == "gpt2":
+            backend, add_bos_default = _byte_level_backend(gguf, tokens, types)
+            add_space_prefix = False
+            table = _byte_level_table(tokens, types)
+            bos_default = eos_default = None
+        elif kind == "llama":
+            add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            backend = _sentencepiece_backend(gguf, tokens, types, add_space_prefix, cache_dir)
+            add_bos_default = True
+            table = _sentencepiece_table(tokens, types)
+            bos_default, eos_default = 1, 2  # llama.cpp's defaults for SentencePiece files
+        else:
+            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; kiln supports 'gpt2' and 'llama'")
+
+        bos_id = _token_id(gguf, "tokenizer.ggml.bos_token_id", bos_default, n)
+        eos_id = _token_id(gguf, "tokenizer.ggml.eos_token_id", eos_default, n)
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default))
+        if add_bos and bos_id is None:
+            raise ModelFileError(f"{path}: tokenizer.ggml.add_bos_token is set, tokenizer.ggml.bos_token_id missing")
+        stops = {eos_id} | {_token_id(gguf, f"tokenizer.ggml.{k}_token_id", None, n) for k in ("eot", "eom")}
+        stops |= {backend.token_to_id(name) for name in STOP_TOKEN_NAMES}
+        stops.discard(None)
+        return cls(backend, tokens, types, table, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                   strip_space_prefix=add_space_prefix, stop_ids=frozenset(stops),
+                   chat_template=md.get("tokenizer.chat_template"), source=str(path))
+
+    # --- encoding ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids for `text`. BOS is prepended per the file unless `add_bos` says otherwise, and never
+        twice: text that already starts with the BOS token (a rendered chat template) keeps just that one."""
+        with self._lock:
+            self._backend.encode_special_tokens = not parse_special
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
+            if self.bos_id is None:
+                raise KilnError(f"{self.source} has no BOS token (tokenizer.ggml.bos_token_id) to add")
+            ids.insert(0, self.bos_id)
+        return ids
+
+    # --- decoding ---------------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (a byte-level fragment may be part of a UTF-8 character)."""
+        self._check_id(token_id)
+        return self._bytes[token_id]
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        stream = self.stream(skip_special)
+        return "".join(stream.feed(i) for i in ids) + stream.flush()
+
+    def stream(self, skip_special: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    # --- vocabulary -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def token_to_id(self, text: str) -> int | None:
+        return self._backend.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str:
+        self._check_id(token_id)
+        return self._tokens[token_id]
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._tokens):
+            last = len(self._tokens) - 1
+            raise KilnError(f"token id {token_id} is outside the vocabulary of {self.source} (0..{last})")
+
+    # --- chat -------------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str:
+        """The file's chat template, or kiln's fallback for the model family its special tokens show."""
+        from kiln.chat import fallback_template
+
+        return self._file_chat_template or fallback_template(self.token_to_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        from kiln.chat import ChatTemplateError, render_chat
+
+        special = {name: self._tokens[i] if i is not None else "" for name, i in
+                   (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
+        try:
+            return render_chat(self.chat_template, messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, **special, **extra)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"{self.source}: {e}") from None
+
+
+class StreamDecoder:
+    """Turns token ids into text one at a time, holding back bytes until they complete a character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._first = True
+
+    def feed(self, token_id: int) -> str:
+        tok = self._tok
+        piece = tok.token_bytes(token_id)
+        kind = tok._types[token_id]
+        if self._skip_special and kind in _HIDDEN_WHEN_SKIPPING:
+            return ""
+        if self._first:
+            self._first = False
+            # Undo the space SentencePiece put in front of the text, as transformers' Metaspace decoder does.
+            if tok._strip_space_prefix and kind == NORMAL and piece.startswith(b" "):
+                piece = piece[1:]
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        """Whatever is left; an unfinished character comes out as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+# --- backends -------------------------------------------------------------------------------------
+def _token_id(gguf: GGUFFile, key: str, default: int | None, n_tokens: int) -> int | None:
+    if key not in gguf.metadata:
+        return default if default is not None and default < n_tokens else None
+    value = gguf.metadata[key]
+    if not 0 <= int(value) < n_tokens:
+        raise ModelFileError(f"{gguf.path}: {key} is {value}, outside the vocabulary of {n_tokens} tokens")
+    return int(value)
+
+
+def _special_tokens(tokens: list[str], types: np.ndarray) -> list[AddedToken]:
+    """Tokens matched whole before any splitting: control and unknown ones only while parsing specials
+    (`special=True` lets `encode_special_tokens` turn them off), user-defined ones always."""
+    return [AddedToken(tokens[i], special=bool(types[i] != USER_DEFINED), normalized=False)
+            for i in np.flatnonzero(np.isin(types, (UNKNOWN, CONTROL, USER_DEFINED)))]
+
+
+def _byte_level_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray) -> tuple[tokenizers.Tokenizer, bool]:
+    """The backend, and whether this pre-tokenizer's models want BOS when the file does not say."""
+    pre_name = gguf.metadata.get("tokenizer.ggml.pre", "default")
+    if pre_name not in _PRE_TOKENIZERS:
+        raise ModelFileError(
+            f"{gguf.path}: tokenizer.ggml.pre is {pre_name!r}, a pre-tokenizer kiln does not know; "
+            f"supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    pre = _PRE_TOKENIZERS[pre_name]
+    backend = _bpe(gguf, tokens, _file_merges(gguf), ignore_merges=pre["ignore_merges"])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre["regexes"]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.add_tokens(_special_tokens(tokens, types))
+    return backend, pre["add_bos"]
+
+
+def _sentencepiece_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray, add_space_prefix: bool,
+                           cache_dir: Path | None) -> tokenizers.Tokenizer:
+    md = gguf.metadata
+    if "tokenizer.ggml.merges" in md:
+        return _assemble_sentencepiece(gguf, tokens, types, _file_merges(gguf), add_space_prefix)
+    # Gemma's scores do not follow its merge order; the order of the tokens in the file does.
+    by_position = gguf.architecture.startswith("gemma") or "tokenizer.ggml.scores" not in md
+    scores = None if by_position else np.asarray(md["tokenizer.ggml.scores"], dtype=np.float32)
+    if scores is not None and len(scores) != len(tokens):
+        raise ModelFileError(f"{gguf.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    if cache_dir is None:
+        return _assemble_sentencepiece(gguf, tokens, types, _derive_merges(tokens, types, scores), add_space_prefix)
+
+    unk = md.get("tokenizer.ggml.unknown_token_id")
+    digest = hashlib.sha256(f"{_CACHE_FORMAT}|{tokenizers.__version__}|{add_space_prefix}|{unk}".encode())
+    digest.update("\0".join(tokens).encode())
+    digest.update(types.tobytes())
+    digest.update(b"position" if scores is None else scores.tobytes())
+    cached = Path(cache_dir) / f"tokenizer-{digest.hexdigest()[:32]}.json"
+    if cached.is_file():
+        try:
+            return tokenizers.Tokenizer.from_file(str(cached))
+        except Exception:  # a damaged cache file is rebuilt below
+            pass
+    backend = _assemble_sentencepiece(gguf, tokens, types, _derive_merges(tokens, types, scores), add_space_prefix)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    backend.save(str(partial), pretty=False)
+    os.replace(partial, cached)
+    return backend
+
+
+def _derive_merges(tokens: list[str], types: np.ndarray, scores: np.ndarray | None) -> list[tuple[str, str]]:
+    """Every way to cut a normal token in two known tokens, best token first: SentencePiece merges the
+    adjacent pair whose joined token scores highest, which is BPE with this merge order. Only normal
+    tokens are merge results, so text never turns into a control or byte token by merging."""
+    known = set(tokens)
+    normal = np.flatnonzero(types == NORMAL)
+    if scores is not None:
+        normal = normal[np.argsort(-scores[normal], kind="stable")]
+    merges = []
+    for i in normal.tolist():
+        token = tokens[i]
+        merges.extend((token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in known and token[k:] in known)
+    return merges
+
+
+def _file_merges(gguf: GGUFFile) -> list[tuple[str, str]]:
+    merges = [tuple(m.split(" ", 1)) for m in gguf.require("tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+        raise ModelFileError(f"{gguf.path}: tokenizer.ggml.merges has an entry that is not two tokens and a space")
+    return merges
+
+
+def _bpe(gguf: GGUFFile, tokens: list[str], merges: list[tuple[str, str]], **options) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, **options))
+    except Exception as e:  # tokenizers reports a merge of unknown tokens as a bare Exception
+        raise ModelFileError(f"{gguf.path}: tokenizer.ggml.merges does not fit the vocabulary ({e})") from None
+
+
+def _assemble_sentencepiece(gguf: GGUFFile, tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]],
+                            add_space_prefix: bool) -> tokenizers.Tokenizer:
+    unk_id = _token_id(gguf, "tokenizer.ggml.unknown_token_id", 0 if tokens[0] == "<unk>" else None, len(tokens))
+    backend = _bpe(gguf, tokens, merges, byte_fallback=True, unk_token=None if unk_id is None else tokens[unk_id])
+    # Each stretch of text between special tokens is normalized on its own, so the prefix space lands
+    # after every special token, as llama.cpp puts it there.
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    backend.add_tokens(_special_tokens(tokens, types))
+    return backend
+
+
+def _byte_level_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
+    """Normal tokens are spelled in GPT-2's byte alphabet; special ones are plain text."""
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    table = [t.encode() for t in tokens]
+    for i in np.flatnonzero(types == NORMAL).tolist():
+        if all(c in byte_of for c in tokens[i]):
+            table[i] = bytes(byte_of[c] for c in tokens[i])
+    return table
+
+
+def _sentencepiece_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
+    """Normal tokens spell spaces as "▁"; `<0xXX>` byte tokens stand for one byte; the rest are plain text."""
+    table = [t.replace("▁", " ").encode() for t in tokens]
+    for i in np.flatnonzero(types != NORMAL).tolist():
+        token = tokens[i]
+        is_byte = types[i] == BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+        table[i] = bytes([int(token[3:5], 16)]) if is_byte else token.encode()
+    return table

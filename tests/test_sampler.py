@@ -1,0 +1,126 @@
+"""Samplers and per-sequence stopping, against direct computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.engine.sampler import Sampler, SamplingParams, apply_penalties, filtered_probs
+from kiln.engine.sequence import Sequence, plan_budget
+from kiln.errors import ContextLengthError, RequestError
+
+
+def test_greedy_picks_argmax():
+    logits = np.random.default_rng(0).standard_normal(100).astype(np.float32)
+    assert Sampler(SamplingParams.greedy())(logits) == int(np.argmax(logits))
+
+
+def test_top_k_keeps_exactly_k():
+    logits = np.arange(10, dtype=np.float32)
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=1.0))
+    assert set(np.nonzero(probs)[0]) == {7, 8, 9}
+    assert probs.sum() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.75))
+    assert set(np.nonzero(probs)[0]) == {0, 1}
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.85))
+    assert set(np.nonzero(probs)[0]) == {0, 1, 2}
+
+
+def test_min_p_is_relative_to_the_best():
+    logits = np.log(np.array([0.6, 0.3, 0.07, 0.04]))
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1))
+    assert set(np.nonzero(probs)[0]) == {0, 1, 2}
+
+
+def test_temperature_sharpens():
+    logits = np.array([1.0, 2.0, 3.0])
+    cold = filtered_probs(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0))
+    hot = filtered_probs(logits, SamplingParams(temperature=2.0, top_k=0, top_p=1.0))
+    assert cold[2] > hot[2]
+    assert cold[2] == pytest.approx(np.exp(6) / np.exp([2, 4, 6]).sum())
+
+
+def test_repetition_penalty_matches_llama_cpp_rule():
+    logits = np.array([2.0, -2.0, 1.0, 5.0])
+    out = apply_penalties(logits, [0, 1, 1], SamplingParams(repeat_penalty=2.0, repeat_last_n=64))
+    assert out.tolist() == [1.0, -4.0, 1.0, 5.0]
+    windowed = apply_penalties(logits, [0, 1, 1], SamplingParams(repeat_penalty=2.0, repeat_last_n=1))
+    assert windowed.tolist() == [2.0, -4.0, 1.0, 5.0]
+
+
+def test_seed_makes_sampling_repeatable_and_distribution_right():
+    logits = np.log(np.array([0.7, 0.2, 0.1]))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, repeat_penalty=1.0, seed=42)
+    a = [Sampler(params)(logits) for _ in range(5)]
+    s1, s2 = Sampler(params), Sampler(params)
+    assert [s1(logits) for _ in range(50)] == [s2(logits) for _ in range(50)]
+    counts = np.bincount([s1(logits) for _ in range(20000)], minlength=3) / 20000
+    assert np.abs(counts - [0.7, 0.2, 0.1]).max() < 0.015
+    assert len(a) == 5
+
+
+def test_invalid_parameter_names_the_field():
+    with pytest.raises(RequestError, match="top_p") as e:
+        SamplingParams(top_p=1.5)
+    assert e.value.param == "top_p"
+
+
+def test_budget_raises_instead_of_truncating():
+    assert plan_budget(10, None, 100) == 90
+    assert plan_budget(10, 20, 100) == 20
+    with pytest.raises(ContextLengthError, match="exceeds the context of 100"):
+        plan_budget(90, 20, 100)
+    with pytest.raises(ContextLengthError, match="prompt is 100 tokens"):
+        plan_budget(100, None, 100)
+    with pytest.raises(RequestError, match="max_tokens"):
+        plan_budget(10, -1, 100)
+
+
+class CharTokenizer:
+    """Token i is chr(i): enough to test text handling without a model."""
+
+    def stream(self):
+        class D:
+            def feed(self, i):
+                return chr(i)
+
+            def flush(self):
+                return ""
+
+        return D()
+
+    def decode(self, ids, skip_special=True):
+        return "".join(map(chr, ids))
+
+
+def run(seq, text):
+    out = ""
+    for ch in text:
+        out += seq.append(ord(ch))
+        if seq.finished:
+            break
+    return out
+
+
+def seq(stop=(), max_tokens=100, stop_ids=frozenset()):
+    return Sequence([1], SamplingParams.greedy(), CharTokenizer(), max_tokens, list(stop), frozenset(stop_ids))
+
+
+def test_stop_string_is_cut_and_never_streamed():
+    s = seq(stop=["END"])
+    streamed = run(s, "hello EN! and END tail")
+    assert streamed == "hello EN! and " and s.text == streamed and s.finish_reason == "stop"
+
+
+def test_held_back_text_is_released_at_length_limit():
+    s = seq(stop=["XYZ"], max_tokens=4)
+    assert run(s, "abXY") == "abXY" and s.finish_reason == "length"
+
+
+def test_stop_token_ends_without_text():
+    s = seq(stop_ids={ord("#")})
+    assert run(s, "ab#cd") == "ab" and s.finish_reason == "stop" and s.output_ids[-1] == ord("#")
