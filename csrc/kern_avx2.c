@@ -19,8 +19,7 @@
 
 /* One row's group, unpacked. */
 typedef struct {
-    __m256i w[8];   /* chunk k, unsigned bytes (Q8: |w|) */
-    __m256i s[8];   /* Q8: signed weights, for the sign trick */
+    __m256i w[8];   /* chunk k: unsigned bytes (Q8: signed; |w| is taken per token, which beats spilling) */
     __m256i sc, sc2; /* Q4K/Q5K: sc_j in both i16 halves of lane j; Q6K: sc_2j pairs, sc_2j+1 pairs */
     __m256i sc16;   /* Q6K: (sc_2j, sc_2j+1), for the offset correction */
     __m256 d;       /* per-lane weight scale */
@@ -38,10 +37,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
     const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16), bits45 = _mm256_set1_epi8(0x30);
     int cs = 4 * nb;
     if (f == WF_Q8) {
-        for (int k = 0; k < 8; k++) {
-            p->s[k] = ld(q + k * cs);
-            p->w[k] = _mm256_abs_epi8(p->s[k]);
-        }
+        for (int k = 0; k < 8; k++) p->w[k] = ld(q + k * cs);
     } else
         for (int L = 0; L < 4; L++) {
             __m256i v = ld(q + L * cs);
@@ -97,6 +93,16 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
     }
 }
 
+/* acc (8 lanes, lane j = block j) += block sums i32 times weight and activation scales, plus the
+   affine minimum: one FMA per 8 blocks (two for affine formats). */
+ALWAYS __m256 fstep(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256i i32, __m256 acc) {
+    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
+    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    return acc;
+}
+
 /* acc (8 lanes, lane j = block j) += this row's group . activation group ag. */
 ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -107,7 +113,7 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     switch (f) {
     case WF_Q8: {
         __m256i s[8];
-        for (int k = 0; k < 8; k++) s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(p->w[k], _mm256_sign_epi8(a[k], p->s[k])), ones);
+        for (int k = 0; k < 8; k++) s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p->w[k]), _mm256_sign_epi8(a[k], p->w[k])), ones);
         i32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),
                                _mm256_add_epi32(_mm256_add_epi32(s[4], s[5]), _mm256_add_epi32(s[6], s[7])));
         break;
@@ -137,11 +143,52 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     }
     }
 #undef MUB
-    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
-    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    return acc;
+    return fstep(f, p, ag, i32, acc);
+}
+
+/* Short group of nb <= 4 blocks: register L holds chunk L in its low 128 bits and chunk L+4 in its
+   high 128 bits (4 lanes each), matching the "pair" order of the activation group. */
+ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *p) {
+    const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    int cs = 4 * nb;
+    for (int L = 0; L < 4; L++) {
+        if (f == WF_Q8) {
+            p->w[L] = _mm256_loadu2_m128i((const __m128i *)(q + (L + 4) * cs), (const __m128i *)(q + L * cs));
+            continue;
+        }
+        __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
+        p->w[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+        if (f == WF_Q5) { /* bit L -> bit 4 in the low half, bit L+4 -> bit 4 in the high half */
+            __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
+            hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
+            hb = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, L, L, L, L));
+            p->w[L] = _mm256_or_si256(p->w[L], _mm256_and_si256(hb, bit4));
+        }
+    }
+    __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    p->d = _mm256_and_ps(f16x8(h), mask);
+    if (f == WF_Q4) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
+}
+
+ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i i32, sum32 = ld(ag + KILN_AG_SUM32);
+    if (f == WF_Q8) {
+        __m256i s[4];
+        for (int L = 0; L < 4; L++) {
+            __m256i a = ld(ag + 32 * L);
+            s[L] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p->w[L]), _mm256_sign_epi8(a, p->w[L])), ones);
+        }
+        i32 = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
+    } else { /* up to 5 bits: 4 pair sums fit in i16 */
+        __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(p->w[0], ld(ag)), _mm256_maddubs_epi16(p->w[1], ld(ag + 32))),
+                                     _mm256_add_epi16(_mm256_maddubs_epi16(p->w[2], ld(ag + 64)), _mm256_maddubs_epi16(p->w[3], ld(ag + 96))));
+        i32 = _mm256_madd_epi16(s, ones);
+    }
+    i32 = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
+    if (f == WF_Q4S) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+    if (f == WF_Q5) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+    return fstep(f, p, ag, i32, acc);
 }
 
 /* Lanes summed as ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)) for 4 rows at once. */
@@ -176,13 +223,18 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
             for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
         }
     }
-    if (nt) { /* short group: same code, chunk stride 4*nt */
+    if (nt && f != WF_Q4K && f != WF_Q5K && f != WF_Q6K) { /* short group: chunk stride 4*nt, paired if nt <= 4 */
         const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
         int hb = kiln_fmt_head_bytes(f, nt), qb = kiln_fmt_quant_bytes(f, nt);
         for (int r = 0; r < 4; r++) {
             wrow w;
-            prep(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
-            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+            if (nt <= 4) {
+                prep4(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
+                for (int t = 0; t < n; t++) acc[r][t] = dot4(f, &w, ag + t * stride, acc[r][t]);
+            } else {
+                prep(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
+                for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+            }
         }
     }
     for (int t = 0; t < n; t++) store_rows(y + t * ldy, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), nrows);
@@ -356,7 +408,8 @@ static void quantize_group(const float *x, int nb, uint8_t *ag) {
         s16[2 * j + 1] = (int16_t)hi;
     }
     transpose8(rows);
-    for (int k = 0; k < 8; k++) _mm256_storeu_si256((__m256i *)(ag + 32 * k), rows[k]);
+    for (int k = 0; k < 8; k++) /* nb <= 4: pair order, chunk L beside chunk L+4 */
+        _mm256_storeu_si256((__m256i *)(ag + 32 * k), nb > 4 ? rows[k] : k < 4 ? _mm256_permute2x128_si256(rows[k], rows[k + 4], 0x20) : _mm256_setzero_si256());
     memcpy(ag + KILN_AG_D, d, 32);
     memcpy(ag + KILN_AG_S, s, 32);
     memcpy(ag + KILN_AG_SUM32, s32, 32);

@@ -18,6 +18,7 @@
 
 typedef struct {
     __m512i w[4];    /* chunk pairs (0,1), (2,3), (4,5), (6,7): unsigned bytes */
+    __m256i h[4];    /* short group of nb <= 4 blocks: chunk L (low 128 bits) and chunk L+4 (high) */
     __m256i sc, sc2; /* Q4K/Q5K: sc_j; Q6K: sc_2j and sc_2j+1 (i32 per lane) */
     __m256i sc16;    /* Q6K: (sc_2j, sc_2j+1) i16 pairs, for the offset correction */
     __m256 d, m;
@@ -85,10 +86,58 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
     }
 }
 
+ALWAYS __m256 fstep(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256i i32, __m256 acc) {
+    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
+    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    return acc;
+}
+
+/* Offset corrections of the integer sum, from the activation block sums. */
+ALWAYS __m256i offset(kiln_wfmt f, __m256i i32, const uint8_t *ag) {
+    __m256i sum32 = ld256(ag + KILN_AG_SUM32);
+    if (f == WF_Q4S) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+    if (f == WF_Q5) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+    if (f == WF_Q8) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+    return i32;
+}
+
+/* As prep4() in kern_avx2.c: short group of nb <= 4 blocks in "pair" order, 256-bit VNNI. */
+ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *p) {
+    const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    int cs = 4 * nb;
+    for (int L = 0; L < 4; L++) {
+        if (f == WF_Q8) {
+            p->h[L] = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(q + (L + 4) * cs), (const __m128i *)(q + L * cs)),
+                                       _mm256_set1_epi8((char)0x80));
+            continue;
+        }
+        __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
+        p->h[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+        if (f == WF_Q5) {
+            __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
+            hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
+            hb = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, L, L, L, L));
+            p->h[L] = _mm256_or_si256(p->h[L], _mm256_and_si256(hb, bit4));
+        }
+    }
+    __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    p->d = _mm256_and_ps(f16x8(h), mask);
+    if (f == WF_Q4) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
+}
+
+ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
+    __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), p->h[0], ld256(ag));
+    for (int L = 1; L < 4; L++) s = _mm256_dpbusd_epi32(s, p->h[L], ld256(ag + 32 * L));
+    __m256i i32 = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+    return fstep(f, p, ag, offset(f, i32, ag), acc);
+}
+
 ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     __m512i a[4];
     for (int i = 0; i < 4; i++) a[i] = ld512(ag + 64 * i);
-    __m256i i32, sum32 = ld256(ag + KILN_AG_SUM32);
+    __m256i i32;
     if (f == WF_Q6K) { /* chunks 0-3: sub-block 2j; chunks 4-7: sub-block 2j+1 */
         __m256i A = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]), p->w[1], a[1]));
         __m256i B = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[2], a[2]), p->w[3], a[3]));
@@ -99,15 +148,9 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], a[i]);
         i32 = fold(s);
         if (f == WF_Q4K || f == WF_Q5K) i32 = _mm256_mullo_epi32(i32, p->sc);
-        if (f == WF_Q4S) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
-        if (f == WF_Q5) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
-        if (f == WF_Q8) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+        i32 = offset(f, i32, ag);
     }
-    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
-    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    return acc;
+    return fstep(f, p, ag, i32, acc);
 }
 
 ALWAYS __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -139,13 +182,18 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
             for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
         }
     }
-    if (nt) {
+    if (nt && f != WF_Q4K && f != WF_Q5K && f != WF_Q6K) { /* short group, as in kern_avx2.c */
         const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
         int hb = kiln_fmt_head_bytes(f, nt), qb = kiln_fmt_quant_bytes(f, nt);
         for (int r = 0; r < 4; r++) {
             wrow w;
-            prep(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
-            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+            if (nt <= 4) {
+                prep4(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
+                for (int t = 0; t < n; t++) acc[r][t] = dot4(f, &w, ag + t * stride, acc[r][t]);
+            } else {
+                prep(f, p + r * hb, p + 4 * hb + r * qb, nt, &w);
+                for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+            }
         }
     }
     for (int t = 0; t < n; t++) store_rows(y + t * ldy, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), nrows);

@@ -30,7 +30,7 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
     for (int j = 0; j < nb; j++) {
         int32_t isum = 0;
         for (int i = 0; i < 32; i++) {
-            int x = (int8_t)ag[lane_byte(8, j, i)], w;
+            int x = (int8_t)ag[kiln_act_byte(nb, j, i)], w;
             switch (f) {
             case WF_Q4S: w = stored_q(f, q, nb, j, i) - 8; break;
             case WF_Q5: w = stored_q(f, q, nb, j, i) - 16; break;
@@ -107,15 +107,15 @@ void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *
     }
 }
 
-/* One block of 32 activations -> quants at lane order in group ag, block j. */
-static void quantize_block(const float *x, uint8_t *ag, int j) {
+/* One block of 32 activations -> quants of block j in group ag, which holds nb blocks. */
+static void quantize_block(const float *x, uint8_t *ag, int nb, int j) {
     float amax = 0;
     for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
     float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
     int32_t sum[2] = {0, 0};
     for (int i = 0; i < 32; i++) {
         int q = (int)rintf(x[i] * id);
-        ag[lane_byte(8, j, i)] = (uint8_t)(int8_t)q;
+        ag[kiln_act_byte(nb, j, i)] = (uint8_t)(int8_t)q;
         sum[i >> 4] += q;
     }
     int32_t s32 = sum[0] + sum[1];
@@ -141,7 +141,7 @@ void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, i
             uint8_t *ag = a + (size_t)g * KILN_AG_BYTES;
             int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
             if (nb < 8) memset(ag, 0, KILN_AG_BYTES);
-            for (int j = 0; j < nb; j++) quantize_block(xr + g * KILN_GROUP + 32 * j, ag, j);
+            for (int j = 0; j < nb; j++) quantize_block(xr + g * KILN_GROUP + 32 * j, ag, nb, j);
         }
     }
 }

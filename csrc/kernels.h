@@ -55,7 +55,9 @@
         qs[256] int8 in the lane order above | d[8] f32 | s[8] f32 = d*sum32 | sum32[8] i32 |
         sum16[16] i16 (sums of each block's two 16-halves, so 32-bit lane j = block j's pair).
         q = round-to-nearest-even(x * (1/d)) with d = max|x|/127 over each block of 32. A short last
-        group is padded with zero blocks.
+        group is padded with zero blocks; when it has nb <= 4 blocks its quants are stored in "pair"
+        order instead: bytes 32L..32L+15 hold chunk L and bytes 32L+16..32L+31 chunk L+4 (L = 0..3,
+        4 lanes each), so one 32-byte load meets one nibble slot and short tails cost half a group.
    Activation sums let affine and offset formats fold their minimum in once per block: Q4 adds
    m * s, Q4S/Q5 subtract 8/16 * sum32 in the integer sum, Q6K subtracts 32 * sc . sum16.
 */
@@ -118,6 +120,12 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 
 static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
 static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
+
+/* Byte of activation i of block j in an activation group holding nb blocks (see "pair" order). */
+static inline int kiln_act_byte(int nb, int j, int i) {
+    int k = i >> 2;
+    return nb > 4 ? 32 * k + 4 * j + (i & 3) : 32 * (k & 3) + 16 * (k >> 2) + 4 * j + (i & 3);
+}
 
 /* Bytes per row of one group of nb blocks (K-quants: nb = 8), split into header and quants. */
 static inline int kiln_fmt_head_bytes(kiln_wfmt f, int nb) {

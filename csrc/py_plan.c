@@ -310,7 +310,8 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)p;
 }
 
-/* run(n_rows, n_out, min_epoch) -> nanoseconds the caller waited at barriers and fences.
+/* run(n_rows, n_out, min_epoch) -> (ns inside the native call, ns of it spent waiting at barriers and
+ * fences).
  * The caller has validated the per-row inputs; this checks them again, since a bad token id or
  * position would read or write outside the buffers. */
 static PyObject *plan_run(Plan *p, PyObject *args) {
@@ -328,13 +329,15 @@ static PyObject *plan_run(Plan *p, PyObject *args) {
     for (int i = 0; i < n_out; i++)
         if (k->row_sel[i] < 0 || k->row_sel[i] >= n_rows)
             return PyErr_Format(PyExc_ValueError, "logits row %d selects row %d of %d", i, k->row_sel[i], n_rows);
-    int64_t waited;
+    int64_t waited, t0, t1;
     Py_BEGIN_ALLOW_THREADS
+    t0 = kiln_now_ns();
     waited = kiln_pool_fence(k->pool, min_epoch);
     kiln_pool_next_epoch(k->pool);
     waited += kiln_plan_run(k, n_rows, n_out);
+    t1 = kiln_now_ns();
     Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(waited);
+    return Py_BuildValue("(LL)", (long long)(t1 - t0), (long long)waited);
 }
 
 static PyObject *plan_set_trace(Plan *p, PyObject *args) {
@@ -356,7 +359,7 @@ static PyObject *plan_trace(Plan *p, PyObject *noargs) {
 }
 
 static PyMethodDef plan_methods[] = {
-    {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out, min_epoch) -> ns waited"},
+    {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out, min_epoch) -> (ns, ns waited)"},
     {"set_trace", (PyCFunction)plan_set_trace, METH_VARARGS, "switch per-op timing on or off (and reset it)"},
     {"trace", (PyCFunction)plan_trace, METH_NOARGS, "per-op (ns, wait ns) totals and the run count"},
     {NULL}};

@@ -14,6 +14,7 @@ from kiln.errors import KilnError
 COMMAND_MODULES = [
     "kiln.commands.run",
     "kiln.commands.models",
+    "kiln.bench.cli",
 ]
 
 

@@ -61,6 +61,10 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
 
 
 def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir):
+    """The native core when it is built (or asked for), else the numpy oracle."""
+    from kiln.engine import native
     from kiln.engine.oracle import OracleEngine
 
-    return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots)
+    if backend == "oracle" or (backend == "auto" and not native.available()):
+        return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots)
+    return native.NativeEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots, threads=threads, cache_dir=cache_dir)

@@ -173,6 +173,22 @@ def matrices_of(root) -> list[str]:
     return names
 
 
+@dataclass
+class StepStats:
+    """What the native calls cost, for `kiln bench` and `kiln trace` to set against wall time."""
+
+    steps: int = 0
+    rows: int = 0
+    native_ns: int = 0
+    wait_ns: int = 0
+
+    def add(self, rows: int, native_ns: int, wait_ns: int) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.native_ns += native_ns
+        self.wait_ns += wait_ns
+
+
 class NativePlan:
     """One compiled plan with its own arena of activations and per-row inputs."""
 
@@ -219,6 +235,7 @@ class NativeEngine:
         self.prefill_plan = NativePlan(self, root, self.prefill_rows, out, False)
         self._parity = 0
         self._last_writes: set[tuple[int, int]] = set()
+        self.stats = StepStats()
         self.load_ms = (time.perf_counter() - t0) * 1e3
 
     # ---- resources the lowering asks for ---------------------------------------------------------
@@ -258,7 +275,8 @@ class NativeEngine:
         inp["slots"][:n] = slots
         inp["positions"][:n] = positions
         inp["row_sel"][:n_out] = out_rows
-        plan.plan.run(n, n_out, min_epoch)
+        native_ns, wait_ns = plan.plan.run(n, n_out, min_epoch)
+        self.stats.add(n, native_ns, wait_ns)
         return plan.logits[:n_out].copy()
 
     def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:

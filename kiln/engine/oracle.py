@@ -146,6 +146,18 @@ class OracleEngine:
     def decode(self, tokens, slots, positions) -> np.ndarray:
         return np.stack([self.forward([t], s, p) for t, s, p in zip(tokens, slots, positions)])
 
+    def step(self, tokens, slots, positions, out_rows) -> np.ndarray:
+        """Any mix of rows (the scheduler's batch): runs of one slot at consecutive positions go
+        through one forward pass each. Returns logits for `out_rows`, in order."""
+        logits, start = {}, 0
+        for end in range(1, len(tokens) + 1):
+            if end < len(tokens) and slots[end] == slots[start] and positions[end] == positions[end - 1] + 1:
+                continue
+            span = self.forward(tokens[start:end], int(slots[start]), int(positions[start]), all_logits=True)
+            logits.update({start + i: row for i, row in enumerate(span)})
+            start = end
+        return np.stack([logits[r] for r in out_rows]) if len(out_rows) else np.zeros((0, self.config.vocab_size))
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy(src, dst, length)
 

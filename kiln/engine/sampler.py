@@ -73,23 +73,31 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """The distribution a non-greedy sample is drawn from: temperature, then top-k, top-p and min-p."""
-    scaled = logits.astype(np.float64) / p.temperature
-    if 0 < p.top_k < scaled.size:
-        kth = np.partition(scaled, -p.top_k)[-p.top_k]
-        scaled = np.where(scaled >= kth, scaled, -np.inf)
-    probs = softmax(scaled)
+def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and probabilities a non-greedy sample is drawn from: temperature, then top-k, top-p
+    and min-p. With top-k set only k logits are sorted, which keeps sampling off the critical path."""
+    if 0 < p.top_k < logits.size:
+        ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+    else:
+        ids = np.arange(logits.size)
+    scaled = logits[ids].astype(np.float64) / p.temperature
+    order = np.argsort(-scaled, kind="stable")
+    ids, probs = ids[order], softmax(scaled[order])
     if p.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[keep] = True
-        probs = np.where(mask, probs, 0.0)
+        keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+        ids, probs = ids[:keep], probs[:keep]
     if p.min_p > 0.0:
-        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-    return probs / probs.sum()
+        keep = probs >= p.min_p * probs[0]
+        ids, probs = ids[keep], probs[keep]
+    return ids, probs / probs.sum()
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The same distribution as `candidates`, over the whole vocabulary."""
+    ids, probs = candidates(logits, p)
+    out = np.zeros(logits.size)
+    out[ids] = probs
+    return out
 
 
 class Sampler:
@@ -104,5 +112,5 @@ class Sampler:
             logits = np.where(allowed[: logits.size], logits, -np.inf)
         if self.params.temperature == 0.0:
             return int(np.argmax(logits))
-        probs = filtered_probs(logits, self.params)
-        return int(self.rng.choice(probs.size, p=probs))
+        ids, probs = candidates(logits, self.params)
+        return int(self.rng.choice(ids, p=probs))

@@ -101,6 +101,10 @@ class Sequence:
         if self.max_tokens == 0:
             self.finish_reason = "length"
 
+    def start_clock(self) -> None:
+        """Time from now: a queued sequence starts when it gets a KV slot, not when it was made."""
+        self.started = self._last = time.perf_counter()
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

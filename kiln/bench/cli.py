@@ -1,0 +1,102 @@
+"""`kiln bench`: engine throughput like llama-bench (`kiln bench TAG`), plus the subcommands of the
+measurement program (`kiln bench sweep|scenarios|compare|spec`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+
+SUBCOMMANDS: dict[str, str] = {}  # name → module with `add_arguments(parser)` and `main(args)`
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 0, got {text!r}")
+    return values
+
+
+def perf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="tag or .gguf path")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (0: skip)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (0: skip)")
+    p.add_argument("-t", "--threads", type=_ints, default=None, help="thread counts, e.g. 1,2 (default: cores)")
+    p.add_argument("-d", "--depth", type=_ints, default=[0], help="tokens already in the cache, e.g. 0,1024")
+    p.add_argument("-b", "--batch", type=_ints, default=[1], help="sequences decoding together, e.g. 1,8")
+    p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
+    return p
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure engine throughput (llama-bench style) and more",
+                       description="kiln bench TAG [-p 512 -n 128 -t 1,2 -r 5 -d 0,1024 -b 1,8 -o md|json|csv]",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    argv = args.args
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        module = importlib.import_module(SUBCOMMANDS[argv[0]])
+        parser = argparse.ArgumentParser(prog=f"kiln bench {argv[0]}")
+        module.add_arguments(parser)
+        return module.main(parser.parse_args(argv[1:]))
+    a = perf_parser().parse_args(argv)
+    return run_perf(a)
+
+
+def run_perf(a) -> int:
+    from kiln.bench import perf
+    from kiln.engine.native import physical_cores
+
+    threads = a.threads or [physical_cores()]
+    if min(threads) < 1 or min(a.batch) < 1:
+        raise SystemExit("kiln bench: threads and batch sizes must be at least 1")
+    report = perf.run(a.model, a.n_prompt, a.n_gen, threads, a.depth, a.batch, a.repetitions,
+                      progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr))
+    sys.stdout.write({"json": to_json, "csv": to_csv, "md": to_markdown}[a.output](report))
+    from kiln.bench import history
+
+    history.record("bench", report, model_sha256=report["model_sha256"], command=" ".join(["kiln bench", *sys.argv[2:]]))
+    return 0
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=1) + "\n"
+
+
+def to_csv(report: dict) -> str:
+    out = io.StringIO()
+    cols = ["model", "test", "threads", "depth", "batch", "n_tokens", "avg_ts", "stddev_ts", "avg_ns", "stddev_ns"]
+    w = csv.writer(out)
+    w.writerow(cols)
+    for r in report["results"]:
+        w.writerow([report["model"]] + [r[c] for c in cols[1:]])
+    return out.getvalue()
+
+
+def to_markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"model: {report['model']} ({report['architecture']}, {report['model_size'] / 2**20:.1f} MiB, "
+        f"{report['n_params'] / 1e6:.1f} M params) · {m['cpu']} · kernels {m['kernel_isa']}",
+        "",
+        "| test | threads | t/s | host % |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in report["results"]:
+        host = f"{100 * r['host_fraction']:.1f}" if r["host_fraction"] is not None else ""
+        lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} |")
+    lines += ["", f"{report['method']}."]
+    return "\n".join(lines) + "\n"
