@@ -81,7 +81,7 @@ void kiln_load_half(const uint16_t *src, float *x, int n) {
 }
 
 void kiln_attend(const float *q, int group, int hd, const uint16_t *K, const uint16_t *V, int stride, int n,
-                 float scale, float *scratch, float *out) {
+                 float scale, float *scratch, float *out, int negate) {
     row_fn load = load_generic;
     dot_fn dot = dot_generic;
     axpy_fn axpy = axpy_generic;
@@ -105,6 +105,8 @@ void kiln_attend(const float *q, int group, int hd, const uint16_t *K, const uin
         load(V + (size_t)i * stride, row, hd);
         for (int g = 0; g < group; g++) axpy(scores[(size_t)g * n + i], row, acc + (size_t)g * hd, hd);
     }
-    for (int g = 0; g < group; g++)
-        for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[(size_t)g * hd + d] / sums[g];
+    for (int g = 0; g < group; g++) {
+        float inv = (negate ? -1.0f : 1.0f) / sums[g];
+        for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[(size_t)g * hd + d] * inv;
+    }
 }

@@ -8,7 +8,6 @@
 #if KILN_X86
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
-#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -111,7 +110,7 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     __m256i sum32 = ld(ag + KILN_AG_SUM32);
 #define MUB(k) _mm256_maddubs_epi16(p->w[k], a[k])
     switch (f) {
-    case WF_Q8: {
+    case WF_Q8: { /* signed x signed: vpmaddubsw wants one unsigned side, so |w| meets x with w's sign */
         __m256i s[8];
         for (int k = 0; k < 8; k++) s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p->w[k]), _mm256_sign_epi8(a[k], p->w[k])), ones);
         i32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),

@@ -92,6 +92,7 @@ const char *kiln_isa_name(kiln_isa isa);
 int kiln_wfmt_for_ggml(int ggml_type); /* -1 if unsupported */
 size_t kiln_pack_size(int ggml_type, int rows, int cols); /* 0 if the type or shape is unsupported */
 size_t kiln_ggml_row_bytes(int ggml_type, int cols);      /* GGUF bytes of one row; 0 if unsupported */
+size_t kiln_tile_bytes(kiln_wfmt fmt, int cols);          /* bytes of one tile; 0 if the shape is invalid */
 /* src: GGUF bytes, row-major. dst: kiln_pack_size bytes. Returns 0, or -1 for a bad type/shape. */
 int kiln_pack(int ggml_type, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_wmat *out);
 

@@ -50,7 +50,10 @@ size_t kiln_ggml_row_bytes(int t, int cols) {
     return (size_t)cols / bw * ggml_block_bytes(t);
 }
 
-static size_t tile_bytes(kiln_wfmt f, int cols) {
+size_t kiln_tile_bytes(kiln_wfmt f, int cols) {
+    if (f < 0 || f >= WF_COUNT || cols <= 0) return 0;
+    if ((f == WF_Q4K || f == WF_Q5K || f == WF_Q6K) && cols % KILN_GROUP) return 0;
+    if (!kiln_fmt_is_float(f) && cols % 32) return 0;
     if (kiln_fmt_is_float(f))
         return (size_t)4 * ((cols + KILN_FCHUNK - 1) / KILN_FCHUNK * KILN_FCHUNK) * kiln_fmt_elem_bytes(f);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
@@ -61,7 +64,7 @@ static size_t tile_bytes(kiln_wfmt f, int cols) {
 size_t kiln_pack_size(int t, int rows, int cols) {
     int f = kiln_wfmt_for_ggml(t);
     if (f < 0 || rows <= 0 || cols <= 0 || cols % ggml_block_weights(t)) return 0;
-    return (size_t)((rows + 3) / 4) * tile_bytes(f, cols) + KILN_PACK_SLACK;
+    return (size_t)((rows + 3) / 4) * kiln_tile_bytes(f, cols) + KILN_PACK_SLACK;
 }
 
 /* ---- lane order ---- */
@@ -188,7 +191,7 @@ int kiln_pack(int t, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_
     size_t total = kiln_pack_size(t, rows, cols);
     if (!total) return -1;
     kiln_wfmt f = (kiln_wfmt)kiln_wfmt_for_ggml(t);
-    size_t tb = tile_bytes(f, cols);
+    size_t tb = kiln_tile_bytes(f, cols);
     int tiles = (rows + 3) / 4;
     memset(dst + tiles * tb, 0, KILN_PACK_SLACK);
     if (kiln_fmt_is_float(f))

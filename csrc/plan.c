@@ -50,11 +50,17 @@ static void matmul_rows(const kiln_wmat *w, const void *act, int n_rows, float *
     kiln_matmul(w, act, n_rows, y - r0, r1 - r0, r0 / 4, (r1 + 3) / 4);
 }
 
+/* The KV cache is head-major, [slot][kv head][position][head_dim], so attention streams each head's
+ * keys and values contiguously. */
+static size_t kv_offset(const kiln_plan *p, const kiln_op *op, int slot, int head, int pos) {
+    return (((size_t)slot * op->n_kv_heads + head) * p->n_ctx + pos) * op->head_dim;
+}
+
 static void qkv_chunk(void *ctx, int unit, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int hd = op->head_dim, H = op->n_heads, KV = op->n_kv_heads, kv_dim = KV * hd;
+    int hd = op->head_dim, H = op->n_heads, KV = op->n_kv_heads;
     int which = unit < H ? 0 : unit < H + KV ? 1 : 2;
     int head = which == 0 ? unit : which == 1 ? unit - H : unit - H - KV;
     const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
@@ -79,8 +85,7 @@ static void qkv_chunk(void *ctx, int unit, int thread) {
             memcpy(op->q + (size_t)t * H * hd + r0, row, sizeof(float) * hd);
         } else {
             uint16_t *cache = which == 1 ? op->k_cache : op->v_cache;
-            uint16_t *dst = cache + ((size_t)p->slots[t] * p->n_ctx + p->positions[t]) * kv_dim + r0;
-            kiln_store_half(row, dst, hd);
+            kiln_store_half(row, cache + kv_offset(p, op, p->slots[t], head, p->positions[t]), hd);
         }
     }
 }
@@ -90,12 +95,12 @@ static void attn_chunk(void *ctx, int c, int thread) {
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
     int KV = op->n_kv_heads, t = c / KV, g = c % KV;
-    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd, kv_dim = KV * hd;
+    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
     int pos = p->positions[t], lo = op->window > 0 && pos - op->window + 1 > 0 ? pos - op->window + 1 : 0;
-    size_t base = ((size_t)p->slots[t] * p->n_ctx + lo) * kv_dim + (size_t)g * hd;
+    size_t base = kv_offset(p, op, p->slots[t], g, lo);
+    float *out = op->out + (size_t)t * q_dim + (size_t)g * group * hd;
     kiln_attend(op->q + (size_t)t * q_dim + (size_t)g * group * hd, group, hd, op->k_cache + base,
-                op->v_cache + base, kv_dim, pos - lo + 1, op->scale, scratch(p, thread),
-                op->out + (size_t)t * q_dim + (size_t)g * group * hd);
+                op->v_cache + base, hd, pos - lo + 1, op->scale, scratch(p, thread), out, op->negate);
 }
 
 static void matmul_chunk(void *ctx, int c, int thread) {

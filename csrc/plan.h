@@ -72,9 +72,10 @@ typedef struct kiln_op {
     kiln_norm qnorm, knorm;
     kiln_rope rope;
     float *q;                       /* [rows][n_heads*head_dim] */
-    uint16_t *k_cache, *v_cache;    /* this layer's [slots][n_ctx][kv_dim], fp16 */
+    uint16_t *k_cache, *v_cache;    /* this layer's [slots][kv heads][n_ctx][head_dim], fp16 */
     /* chunking */
     int chunk_tiles;
+    int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

@@ -136,6 +136,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int tiles = (rows + 3) / 4;
     if (rows <= 0 || cols <= 0 || n <= 0 || ldy < rows || tile0 < 0 || tile1 > tiles || tile0 > tile1)
         return PyErr_Format(PyExc_ValueError, "bad matmul arguments: rows %d, cols %d, n_tok %d, ldy %d, tiles [%d, %d)", rows, cols, n, ldy, tile0, tile1);
+    if ((size_t)tile_bytes != kiln_tile_bytes((kiln_wfmt)fmt, cols))
+        return PyErr_Format(PyExc_ValueError, "tile_bytes %zd does not match format %d with %d columns", tile_bytes, fmt, cols);
     Py_buffer wb, ab, yb;
     if (get_buf(wo, &wb, 0, tiles * tile_bytes + KILN_PACK_SLACK, "packed weights")) return NULL;
     if (get_buf(ao, &ab, 0, (Py_ssize_t)kiln_act_size((kiln_wfmt)fmt, cols, n), "activation buffer")) {

@@ -14,7 +14,9 @@ from kiln.errors import KilnError
 COMMAND_MODULES = [
     "kiln.commands.run",
     "kiln.commands.models",
+    "kiln.commands.serve",
     "kiln.bench.cli",
+    "kiln.eval.cli",
 ]
 
 

@@ -8,11 +8,16 @@ bit pattern of the quants is exercised, including K-quants that the gguf package
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 import threading
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,6 +250,8 @@ def test_errors_are_reported():
         K.matmul(pm, act, 2, out=np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match="packed weights"):
         K.matmul(K.PackedMatrix(pm.fmt, 40, 64, 40, pm.tile_bytes, pm.data), act, 1)
+    with pytest.raises(ValueError, match="tile_bytes"):
+        K.matmul(K.PackedMatrix(pm.fmt, 4, 64, 4, pm.tile_bytes - 8, pm.data), act, 1)
     for name in K.ISAS:
         missing = K.isa_missing(name)
         if missing:
@@ -304,3 +311,106 @@ def test_real_gemma3_tensors(gemma3_path):
             wanted.setdefault(info.type, name)
     assert set(wanted) == {QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K}
     _real_tensor_check(gemma3_path, [(name, t) for t, name in wanted.items()])
+
+
+# ---- AVX-512 logic on CPUs without AVX-512 -----------------------------------------------------------
+# kern_avx512.c is compiled against plain-C stand-ins for the AVX-512 intrinsics it uses (written from
+# Intel's documented semantics) and must agree bit for bit with the generic kernels. This checks the
+# data flow of the AVX-512 variant everywhere; test_matmul_matches_dequantized_reference[avx512] checks
+# the real instructions where the CPU has them.
+EMU512_H = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+typedef struct { union { uint8_t b[64]; int8_t sb[64]; uint16_t w[32]; int32_t d[16]; uint32_t u[16]; float f[16]; __m256i h[2]; __m256 hf[2]; }; } E512;
+typedef uint64_t emask64;
+#define L64 for (int i = 0; i < 64; i++)
+static inline E512 emu_and_si512(E512 a, E512 b) { L64 a.b[i] &= b.b[i]; return a; }
+static inline E512 emu_or_si512(E512 a, E512 b) { L64 a.b[i] |= b.b[i]; return a; }
+static inline E512 emu_xor_si512(E512 a, E512 b) { L64 a.b[i] ^= b.b[i]; return a; }
+static inline E512 emu_broadcast_i64x4(__m256i a) { E512 r; r.h[0] = r.h[1] = a; return r; }
+static inline __m256 emu_castps512_ps256(E512 v) { return v.hf[0]; }
+static inline E512 emu_castps_pd(E512 v) { return v; }
+static inline E512 emu_castsi256_si512(__m256i a) { E512 r; memset(&r, 0xAB, 64); r.h[0] = a; return r; }
+static inline E512 emu_castsi512_ps(E512 v) { return v; }
+static inline __m256i emu_castsi512_si256(E512 v) { return v.h[0]; }
+static inline E512 emu_cvtepu16_epi32(__m256i a) { E512 r; uint16_t s[16]; memcpy(s, &a, 32); for (int i = 0; i < 16; i++) r.d[i] = s[i]; return r; }
+static inline E512 emu_cvtph_ps(__m256i a) { E512 r; r.hf[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(a)); r.hf[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1)); return r; }
+static inline E512 emu_dpbusd_epi32(E512 s, E512 a, E512 b) {
+    for (int i = 0; i < 16; i++) for (int k = 0; k < 4; k++) s.d[i] += (int32_t)a.b[4 * i + k] * (int32_t)b.sb[4 * i + k];
+    return s;
+}
+static inline __m256i emu256_dpbusd_epi32(__m256i s, __m256i a, __m256i b) {
+    E512 r, x, y; r.h[0] = s; x.h[0] = a; y.h[0] = b; r.h[1] = x.h[1] = y.h[1] = _mm256_setzero_si256();
+    return emu_dpbusd_epi32(r, x, y).h[0];
+}
+static inline __m256d emu_extractf64x4_pd(E512 v, int imm) { return _mm256_castps_pd(v.hf[imm & 1]); }
+static inline __m256i emu_extracti64x4_epi64(E512 v, int imm) { return v.h[imm & 1]; }
+static inline E512 emu_fmadd_ps(E512 a, E512 b, E512 c) { for (int i = 0; i < 16; i++) c.f[i] = fmaf(a.f[i], b.f[i], c.f[i]); return c; }
+static inline E512 emu_inserti64x4(E512 a, __m256i b, int imm) { a.h[imm & 1] = b; return a; }
+static inline E512 emu_loadu_ps(const float *p) { E512 r; memcpy(&r, p, 64); return r; }
+static inline E512 emu_loadu_si512(const void *p) { E512 r; memcpy(&r, p, 64); return r; }
+static inline E512 emu_mask_add_epi8(E512 s, emask64 k, E512 a, E512 b) { L64 s.b[i] = (k >> i & 1) ? (uint8_t)(a.b[i] + b.b[i]) : s.b[i]; return s; }
+static inline E512 emu_set1_epi8(char c) { E512 r; memset(&r, (uint8_t)c, 64); return r; }
+static inline E512 emu_setzero_ps(void) { E512 r; memset(&r, 0, 64); return r; }
+static inline E512 emu_setzero_si512(void) { E512 r; memset(&r, 0, 64); return r; }
+static inline E512 emu_slli_epi32(E512 a, unsigned n) { for (int i = 0; i < 16; i++) a.u[i] = n > 31 ? 0 : a.u[i] << n; return a; }
+static inline E512 emu_srli_epi16(E512 a, unsigned n) { for (int i = 0; i < 32; i++) a.w[i] = n > 15 ? 0 : a.w[i] >> n; return a; }
+static inline E512 emu_sllv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++) a.w[i] = c.w[i] > 15 ? 0 : (uint16_t)(a.w[i] << c.w[i]); return a; }
+static inline E512 emu_srlv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++) a.w[i] = c.w[i] > 15 ? 0 : a.w[i] >> c.w[i]; return a; }
+static inline emask64 emu_test_epi8_mask(E512 a, E512 b) { emask64 k = 0; L64 k |= (emask64)((a.b[i] & b.b[i]) != 0) << i; return k; }
+"""
+
+
+class _WMat(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("rows_padded", ctypes.c_int),
+                ("tile_bytes", ctypes.c_size_t), ("data", ctypes.c_void_p)]
+
+
+@pytest.fixture(scope="module")
+def emulated_avx512(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if platform.machine().lower() not in ("x86_64", "amd64") or not cc:
+        pytest.skip("needs an x86-64 C compiler")
+    if K.isa_missing("avx2"):
+        pytest.skip(f"the emulation runs on AVX2; CPU lacks {K.isa_missing('avx2')}")
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    out = tmp_path_factory.mktemp("emu512")
+    src = (csrc / "kern_avx512.c").read_text()
+    assert "#include <immintrin.h>" in src
+    src = re.sub(r"#pragma GCC target\(.*\)", '#pragma GCC target("avx2,fma,f16c")', src)
+    src = src.replace("#include <immintrin.h>", '#include "emu512.h"').replace("__m512i", "E512").replace("__m512", "E512")
+    src = src.replace("_mm512_", "emu_").replace("_mm256_dpbusd_epi32", "emu256_dpbusd_epi32")
+    left = set(re.findall(r"_mm512\w*|__m512\w*|_mm256_dpbus\w*|_mm256_mask\w*|__mmask\w*|_k\w+_mask\w*", src))
+    assert not left, f"intrinsics without a stand-in: {left}"
+    (out / "emu512.h").write_text(EMU512_H)
+    (out / "kern_avx512_emu.c").write_text(src)
+    sources = [str(csrc / f) for f in ("cpu.c", "pack.c", "kern_generic.c", "kern_avx2.c")] + [str(out / "kern_avx512_emu.c")]
+    lib = out / "libkern_emu.so"
+    cmd = [cc, "-O1", "-std=gnu11", "-fno-strict-aliasing", "-DKILN_X86=1", "-shared", "-fPIC", f"-I{csrc}", f"-I{out}",
+           *sources, "-o", str(lib), "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
+def test_avx512_kernel_logic_under_emulation(t, emulated_avx512):
+    before = K.ISAS[K._native.isa_active()]
+    K.force_isa("generic")
+    try:
+        cols_list = COLS_K if t in K_TYPES else (32, 96, 160, 224, 576, 640)  # short groups of 1..7 blocks
+        for i, cols in enumerate(cols_list):
+            rows, n = ROWS[i % len(ROWS)], NTOK[(i + 2) % len(NTOK)] if i % 2 else 17  # 17: two token blocks
+            rng = rng_for("emu", t, cols)
+            pm = K.pack(t, random_weights(t, rows, cols, rng), rows, cols)
+            act = K.quantize_act(pm.fmt, activations(t, n, cols, rng))
+            ref = K.matmul(pm, act, n)
+            y = np.zeros((n, rows), np.float32)
+            w = _WMat(int(pm.fmt), rows, cols, pm.rows_padded, pm.tile_bytes, pm.data.ctypes.data)
+            emulated_avx512.kiln_matmul_avx512(ctypes.byref(w), ctypes.c_void_p(act.ctypes.data), n,
+                                               ctypes.c_void_p(y.ctypes.data), rows, 0, pm.tiles)
+            assert np.array_equal(y, ref), ctx(t.name, "emulated avx512", f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+    finally:
+        K.force_isa(before)

@@ -74,9 +74,12 @@ class Lowering:
     """Emits op dicts (field name → value) for a recorded graph. `weights` resolves tensor names:
     `matrix(name)` → packed matrix (has .address, .layout), `vector(name)` → float32 array."""
 
-    def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes):
+    def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes,
+                 negate_layer: int | None = None):
         self.n, self.weights, self.cfg, self.rows, self.out_rows = native, weights, config, rows, out_rows
         self.n_ctx, self.threads, self.kv, self.ropes = n_ctx, threads, kv, ropes
+        self.negate_layer = negate_layer
+        self.residuals: list[Buf] = []  # the residual stream after every add, for per-layer diagnosis
         self.ops: list[dict] = []
         self.values: dict[Node, Buf] = {}
         self.acts: dict[Node, dict[int, Buf]] = {}
@@ -203,6 +206,7 @@ class Lowering:
                        norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
         else:
             raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
+        self.residuals.append(out)
         return out
 
     def _matmul(self, linear: Node, out: Buf, res: Buf | None) -> None:
@@ -262,7 +266,8 @@ class Lowering:
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
         self._scratch(group * (self.n_ctx + hd) + hd)
-        self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0)
+        self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0,
+                   negate=int(layer == self.negate_layer))
         return out
 
     @staticmethod
@@ -271,7 +276,7 @@ class Lowering:
         rope = norm = None
         if node.kind == "rope":
             rope, node = node.params["rope"], node.inputs[0]
-        if node.kind == "rmsnorm" and node.params["heads"] > 1:
+        if node.kind == "rmsnorm":
             norm, node = node, node.inputs[0]
         if node.kind != "linear":
             raise CompileError(f"attention input must be a projection, found {node.kind}")

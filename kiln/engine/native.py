@@ -192,12 +192,13 @@ class StepStats:
 class NativePlan:
     """One compiled plan with its own arena of activations and per-row inputs."""
 
-    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, stealable: bool):
+    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, stealable: bool, keep_all=False):
         e = engine
-        low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table)
+        low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table,
+                       e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
-        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not stealable)
+        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not (stealable or keep_all))
         self.arena = _native.Arena(size)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
@@ -206,6 +207,9 @@ class NativePlan:
         self.logits = whole[low.logits.offset : low.logits.offset + low.logits.nbytes].view(np.float32).reshape(-1, vocab)
         self.ops = low.ops
         self.rows, self.out_rows = rows, out_rows
+        dim = e.config.dim
+        self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
+                          for b in low.residuals]
         self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
                                  e.ropes, low), rows, e.n_ctx, e.n_slots, int(stealable), low.scratch_floats,
                                  *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
@@ -230,13 +234,38 @@ class NativeEngine:
         self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16).reshape(cfg.n_layers, 2, kv_elems)
         self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
         self.max_batch, self.prefill_rows = max_batch, max(prefill_rows, max_batch + 1)
-        out = min(max_out, self.prefill_rows)
-        self.decode_plans = [NativePlan(self, root, max_batch, max_batch, True) for _ in range(2)]
-        self.prefill_plan = NativePlan(self, root, self.prefill_rows, out, False)
+        self.max_out = min(max_out, self.prefill_rows)
+        self.negate_layer: int | None = None
+        self._root = root
+        self._compile()
         self._parity = 0
         self._last_writes: set[tuple[int, int]] = set()
         self.stats = StepStats()
         self.load_ms = (time.perf_counter() - t0) * 1e3
+
+    def _compile(self) -> None:
+        self.decode_plans = [NativePlan(self, self._root, self.max_batch, self.max_batch, True) for _ in range(2)]
+        self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out, False)
+
+    def set_debug_negate(self, layer: int | None) -> None:
+        """Break one layer on purpose (its attention output changes sign), to show accuracy checks fail."""
+        self.negate_layer = layer
+        self._compile()
+
+    def hidden_states(self, tokens, slot: int = 0, start: int = 0) -> list[np.ndarray]:
+        """The residual stream after every add (two per block), (len(tokens), dim) each, from a plan
+        compiled for this call that keeps every intermediate buffer."""
+        tokens = list(tokens)
+        check_span(start, len(tokens), self.n_ctx)
+        plan = NativePlan(self, self._root, len(tokens), 1, False, keep_all=True)
+        n = len(tokens)
+        plan.inputs["tokens"][:n] = tokens
+        plan.inputs["slots"][:n] = slot
+        plan.inputs["positions"][:n] = range(start, start + n)
+        plan.inputs["row_sel"][:1] = n - 1
+        plan.plan.run(n, 1, self.pool.epoch + 1)
+        self._last_writes = {(slot, p) for p in range(start, start + n)}
+        return [r[:n].copy() for r in plan.residuals]
 
     # ---- resources the lowering asks for ---------------------------------------------------------
     def kv_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -299,8 +328,9 @@ class NativeEngine:
         return np.concatenate(out)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        kv = self._kv.reshape(self.config.n_layers, 2, self.n_slots, self.n_ctx, -1)
-        kv[:, :, dst, :length] = kv[:, :, src, :length]
+        cfg = self.config
+        kv = self._kv.reshape(cfg.n_layers, 2, self.n_slots, cfg.n_kv_heads, self.n_ctx, cfg.head_dim)
+        kv[:, :, dst, :, :length] = kv[:, :, src, :, :length]
 
     @property
     def ops_per_step(self) -> int:

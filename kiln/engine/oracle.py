@@ -90,10 +90,8 @@ class NumpyOps:
     def attention(self, layer, q, k, v, attn):
         keys, values = self.e.kv.write(layer, self.slot, self.positions[0], k, v, attn.n_kv_heads)
         end = self.positions[-1] + 1
-        out = attend(q, keys[:end], values[:end], self.positions, attn)
-        if self.e.debug_hook is not None:
-            out = self.e.debug_hook(layer, out)
-        return out
+        out = attend(q, keys[:end].astype(np.float32, copy=False), values[:end].astype(np.float32, copy=False), self.positions, attn)
+        return -out if layer == self.e.negate_layer else out
 
     def glu(self, x, gate, up, act):
         return ACTIVATIONS[act](self.linear(x, gate)) * self.linear(x, up)
@@ -113,14 +111,16 @@ class OracleEngine:
 
     name = "oracle"
 
-    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1):
+    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32):
+        """`kv_dtype=np.float16` stores the cache the way the native engine does, so tests can hold the
+        native plan to float32 tolerances on float weights."""
         self.gguf, self.config, self.forward_fn = gguf, family.config, family.forward
         self.n_ctx, self.n_slots = n_ctx, n_slots
         cfg = self.config
-        self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, np.float32)
+        self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
         self._weights: dict[str, np.ndarray] = {}
         self._inv_freq: dict[Rope, np.ndarray] = {}
-        self.debug_hook = None  # tests corrupt one layer through this to show the accuracy gates can fail
+        self.negate_layer: int | None = None  # debug: flip one layer's attention output
         self.last_hidden: list[np.ndarray] = []
 
     def weight(self, name: str) -> np.ndarray:
@@ -157,6 +157,15 @@ class OracleEngine:
             logits.update({start + i: row for i, row in enumerate(span)})
             start = end
         return np.stack([logits[r] for r in out_rows]) if len(out_rows) else np.zeros((0, self.config.vocab_size))
+
+    def set_debug_negate(self, layer: int | None) -> None:
+        """Break one layer on purpose (its attention output changes sign), to show accuracy checks fail."""
+        self.negate_layer = layer
+
+    def hidden_states(self, tokens, slot: int = 0, start: int = 0) -> list[np.ndarray]:
+        """The residual stream after every add (two per block), (len(tokens), dim) each."""
+        self.forward(tokens, slot, start)
+        return self.last_hidden
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy(src, dst, length)

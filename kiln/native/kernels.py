@@ -113,8 +113,7 @@ def quantize_act(fmt: Format, x: np.ndarray, out: np.ndarray | None = None) -> n
     x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
     n_tok, cols = x.shape
     act = np.empty(act_size(fmt, cols, n_tok), np.uint8) if out is None else out
-    ldx = cols
-    _native.quantize_act(int(fmt), x, ldx, cols, n_tok, act)
+    _native.quantize_act(int(fmt), x, cols, cols, n_tok, act)
     return act
 
 

@@ -1,0 +1,68 @@
+"""`kiln serve`: the OpenAI and Ollama HTTP APIs, with continuous batching over --parallel KV slots."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+DEFAULT_PORT = 11500
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs",
+                       description="Serve the OpenAI (/v1) and Ollama (/api) APIs, /health and /metrics. Models load "
+                                   "on first request (or MODEL at startup) and unload after --keep-alive idle.")
+    p.add_argument("model", nargs="?", help="load this model at startup, pulling it if needed (tag or .gguf path)")
+    env = os.environ.get
+    p.add_argument("--host", default=env("KILN_HOST", "127.0.0.1"), help="address to bind (env KILN_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=env("KILN_PORT", str(DEFAULT_PORT)),
+                   help=f"port (env KILN_PORT; default {DEFAULT_PORT})")
+    p.add_argument("--api-key", default=env("KILN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (env KILN_API_KEY)")
+    p.add_argument("--cors", action="append", metavar="ORIGIN", help="allow browser requests from ORIGIN (repeatable; * for any)")
+    p.add_argument("--parallel", "-np", type=int, default=4, help="KV slots: requests decoded together (default 4)")
+    p.add_argument("--ctx-len", "-c", type=int, help="context length of each slot (default min(model's, 4096))")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503 (default 64)")
+    p.add_argument("--keep-alive", default=env("KILN_KEEP_ALIVE", "5m"),
+                   help="how long an idle model stays loaded: 5m, 1h, 0, -1 for forever (env KILN_KEEP_ALIVE; default 5m)")
+    p.add_argument("--prefill-chunk", type=int, help="most prompt tokens computed per step (default: the engine's prefill batch)")
+    p.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from kiln.errors import KilnError
+    from kiln.server.app import create_app
+    from kiln.server.runtime import Settings, parse_keep_alive
+    from kiln.store import Store
+
+    for name in ("parallel", "max_queue", "port"):
+        if getattr(args, name) < (1 if name != "max_queue" else 0):
+            raise KilnError(f"--{name.replace('_', '-')} must be {'at least 1' if name != 'max_queue' else '>= 0'}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise KilnError("--prefill-chunk must be at least 1")
+    keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
+                        threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = Store()
+    if args.model:  # pull before binding the port, so a bad tag fails here with the store's message
+        store.ensure(args.model, progress=True)
+    failures: list[Exception] = []
+
+    def fatal(error: Exception) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    app = create_app(settings, api_key=args.api_key, cors=args.cors, preload=args.model, store=store, on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    print(f"kiln serving on http://{args.host}:{args.port} (OpenAI: /v1, Ollama: /api, docs: /docs)", file=sys.stderr)
+    server.run()
+    if failures:
+        raise KilnError(f"could not load {args.model}: {failures[0]}")
+    return 0 if server.started else 1

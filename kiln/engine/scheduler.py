@@ -1,0 +1,238 @@
+"""Continuous batching over the engine's KV slots, in nano-vllm's shape: one engine thread loops
+schedule → run → postprocess.
+
+- schedule: drop cancelled requests, admit waiting ones into free slots, then build one batch: a decode
+  row for every running sequence (up to the engine's decode batch, least recently stepped first) plus at
+  most one chunk of one prompt still being prefilled. A long prompt advances a chunk per step while the
+  other streams keep decoding, so it never freezes them.
+- run: one `engine.step` for the whole batch.
+- postprocess: sample the rows that return logits, hand released text to each request's sink, retire
+  finished sequences and remember what their slots now hold.
+
+Prompt cache: every slot remembers the tokens its KV holds. A new request takes the free slot whose
+tokens share the longest prefix with its prompt (chat clients and agents resend their history) and
+prefills only the rest; the last prompt token is always recomputed, since its logits are needed.
+
+Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
+leave through `cancel`, which the loop honours at its next step, freeing the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kiln.engine.generate import common_prefix
+from kiln.engine.sequence import Sequence
+from kiln.errors import KilnError
+
+log = logging.getLogger("kiln.scheduler")
+
+
+class QueueFullError(KilnError):
+    """Every slot is busy and the waiting queue is at its limit."""
+
+
+class UnloadedError(KilnError):
+    """The model is being unloaded, so it takes no more requests."""
+
+
+@dataclass
+class Token:
+    text: str  # released text, maybe empty (held back for a possible stop string, or a partial character)
+    logprob: dict | None  # the sampled token's logprob record when the request asked for logprobs
+
+
+@dataclass
+class Finished:
+    error: str | None = None  # why the request failed; None when it ended normally or was cancelled
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    sink: Callable[[Token | Finished], None]  # called on the engine thread; must not block
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    fed: int = 0  # how many of seq.all_ids have their KV in the slot
+    last_step: int = -1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.seq.prompt_ids)
+
+
+@dataclass
+class Batch:
+    tokens: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    out_rows: list[int] = field(default_factory=list)
+    out: list[Request] = field(default_factory=list)  # whose logits come back, in out_rows order
+    fed: list[tuple[Request, int]] = field(default_factory=list)  # tokens each request feeds this step
+
+    def add(self, req: Request, tokens: list[int], logits: bool) -> None:
+        start = req.fed
+        self.tokens += tokens
+        self.slots += [req.seq.slot] * len(tokens)
+        self.positions += range(start, start + len(tokens))
+        self.fed.append((req, len(tokens)))
+        if logits:
+            self.out_rows.append(len(self.tokens) - 1)
+            self.out.append(req)
+
+
+class Scheduler:
+    def __init__(self, engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
+        self.engine = engine
+        # The native engine's plan limits; the oracle has none, so it gets the same shape of batches.
+        self.max_rows = getattr(engine, "prefill_rows", 128)
+        self.max_decode = getattr(engine, "max_batch", 16)
+        self.chunk = min(prefill_chunk or self.max_rows, self.max_rows)
+        self.n_slots, self.n_ctx, self.max_queue = n_slots, engine.n_ctx, max_queue
+        self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self.slot_used = [0.0] * n_slots
+        self.free = set(range(n_slots))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._turns = 0
+        self._cv = threading.Condition()  # guards waiting, running and free; wakes the idle loop
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+
+    # --- other threads ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._stopping:
+                raise UnloadedError("the model is being unloaded; retry the request")
+            if len(self.waiting) >= self.max_queue + len(self.free):
+                raise QueueFullError(f"the request queue is full ({self.n_slots} running, {self.max_queue} "
+                                     f"waiting); retry later or start the server with a larger --max-queue")
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Finish the step in flight, then fail whatever is left."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._cv:
+            for req in [*self.running]:
+                self._retire(req, "cancelled", "the model was unloaded")
+            while self.waiting:
+                req = self.waiting.popleft()
+                req.seq.finish("cancelled")
+                req.sink(Finished("the model was unloaded"))
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"running": len(self.running), "waiting": len(self.waiting),
+                    "kv_used": sum(r.fed for r in self.running), "kv_capacity": self.n_slots * self.n_ctx,
+                    "kv_cached": sum(len(self.slot_tokens[s]) for s in self.free)}
+
+    # --- the engine thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while (batch := self.schedule()) is not None:
+            if batch.tokens and (logits := self.run(batch)) is not None:
+                self.postprocess(batch, logits)
+
+    def schedule(self) -> Batch | None:
+        with self._cv:
+            while not (self._stopping or self.waiting or self.running):
+                self._cv.wait()
+            if self._stopping:
+                return None
+            for req in [r for r in self.running if r.cancelled]:
+                self._retire(req, "cancelled")
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                req.seq.finish("cancelled")
+                req.sink(Finished())
+            while self.waiting and self.free:
+                self._admit(self.waiting.popleft())
+        batch = Batch()
+        decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.last_step)
+        for req in decoding[: self.max_decode]:
+            batch.add(req, [req.seq.output_ids[-1]], logits=True)
+        budget = min(self.chunk, self.max_rows - len(batch.tokens))
+        prefill = next((r for r in self.running if r.prefilling), None)
+        if prefill is not None and budget > 0:
+            prompt = prefill.seq.prompt_ids
+            chunk = prompt[prefill.fed : prefill.fed + budget]
+            batch.add(prefill, chunk, logits=prefill.fed + len(chunk) == len(prompt))
+        return batch
+
+    def run(self, batch: Batch) -> np.ndarray | None:
+        try:
+            return self.engine.step(batch.tokens, batch.slots, batch.positions, batch.out_rows)
+        except Exception as e:  # the loop must outlive a failed step; its requests get the error
+            log.exception("engine step failed")
+            with self._cv:
+                for req, _ in batch.fed:
+                    self._retire(req, "error", f"the engine failed: {type(e).__name__}: {e}")
+            return None
+
+    def postprocess(self, batch: Batch, logits: np.ndarray) -> None:
+        for req, n in batch.fed:
+            req.fed += n
+            self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
+            req.last_step = self._turns
+        for req, row in zip(batch.out, logits):
+            seq = req.seq
+            try:
+                if not seq.output_ids:
+                    seq.timings.prefill_ms = (time.perf_counter() - seq.started) * 1e3
+                text = seq.append(seq.sample(row))
+            except Exception as e:  # e.g. a grammar that allows no token: fail this request, not the batch
+                log.exception("sampling failed")
+                with self._cv:
+                    self._retire(req, "error", f"sampling failed: {type(e).__name__}: {e}")
+                continue
+            req.sink(Token(text, seq.token_logprobs[-1] if seq.logprobs is not None else None))
+            if seq.finished:
+                with self._cv:
+                    self._retire(req, seq.finish_reason)
+
+    # --- slots (callers hold the lock) ---------------------------------------------------------------
+    def _admit(self, req: Request) -> None:
+        seq, now = req.seq, time.perf_counter()
+        seq.timings.queue_ms = (now - req.submitted) * 1e3
+        seq.start_clock()
+        if seq.finished:  # max_tokens 0: nothing to compute
+            seq.finish(seq.finish_reason)
+            req.sink(Finished())
+            return
+        prompt = seq.prompt_ids
+        # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
+        slot = max(self.free, key=lambda s: (common_prefix(self.slot_tokens[s], prompt), -self.slot_used[s]))
+        self.free.remove(slot)
+        seq.slot = slot
+        req.fed = seq.timings.cached_tokens = min(common_prefix(self.slot_tokens[slot], prompt), len(prompt) - 1)
+        self.running.append(req)
+
+    def _retire(self, req: Request, reason: str, error: str | None = None) -> None:
+        seq = req.seq
+        seq.finish(reason)
+        self.running.remove(req)
+        # The slot holds the KV of what was fed (the last sampled token never was); after a failed step
+        # its contents are unknown.
+        self.slot_tokens[seq.slot] = [] if error else seq.all_ids[: req.fed]
+        self.slot_used[seq.slot] = time.perf_counter()
+        self.free.add(seq.slot)
+        req.sink(Finished(error))

@@ -1,0 +1,1 @@
+"""`kiln serve`: OpenAI- and Ollama-compatible HTTP APIs over the batching scheduler."""

@@ -1,0 +1,395 @@
+"""Ollama's API (/api): chat, generate and model management, translated to and from `runtime.Job`.
+
+Streaming is newline-delimited JSON, on by default as in Ollama. Final objects carry Ollama's durations
+in nanoseconds plus kiln's `timings` (queue wait, TTFT, cached prompt tokens, prefill and decode tok/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln import __version__
+from kiln.errors import KilnError, RequestError, StoreError
+from kiln.server.openai import Tool
+from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
+
+router = APIRouter(prefix="/api", tags=["Ollama"])
+log = logging.getLogger("kiln.server")
+
+_ERRORS = {400: {"description": "Invalid request: {\"error\": message}"}, 401: {"description": "Missing or wrong API key"},
+           404: {"description": "Unknown model"}, 503: {"description": "Queue full, or the model is being unloaded"}}
+# Hardware knobs Ollama clients send that do not apply to kiln; other unknown options are logged.
+_HARDWARE_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "use_mmap",
+                     "use_mlock", "num_keep", "f16_kv", "vocab_only", "logits_all", "embedding_only"}
+_FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
+
+
+# --- request models --------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="allow")  # Ollama accepts options kiln does not use; they are logged
+
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, description="negative: random")
+    num_predict: int | None = Field(None, description="most tokens to generate; negative: until the context is full")
+    stop: list[str] | str | None = None
+    num_ctx: int | None = Field(None, description="ignored: every request gets the server's --ctx-len")
+
+
+class ToolCallFunction(_Model):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(_Model):
+    function: ToolCallFunction
+
+
+class Message(_Model):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = Field(None, description="not supported: kiln runs text models")
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+
+
+class _Generation(_Model):
+    model: str = Field(description="an installed model tag, e.g. smollm2:135m")
+    format: Literal["", "json"] | dict[str, Any] | None = Field(None, description='"json", or a JSON schema')
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: float | str | None = Field(None, description='how long the model stays loaded: "5m", seconds, '
+                                                             '0 unloads, negative keeps it forever')
+    think: bool | str | None = Field(None, description="not supported: no thinking models yet")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def job_fields(self) -> dict:
+        if self.think:
+            raise RequestError("think: kiln's models do not think (no reasoning models yet)", "think")
+        o = self.options or Options()
+        unknown = sorted(set(o.model_extra or {}) - _HARDWARE_OPTIONS)
+        if unknown:
+            log.warning("ignoring options kiln does not support: %s", ", ".join(unknown))
+        sampling = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                               "repeat_last_n", "presence_penalty", "frequency_penalty")}
+        sampling["seed"] = o.seed if o.seed is not None and o.seed >= 0 else None
+        return {"api": "ollama", "model": self.model, "sampling": sampling,
+                "max_tokens": o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
+                "max_tokens_param": "options.num_predict",
+                "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
+                "keep_alive": DEFAULT if self.keep_alive is None else parse_keep_alive(self.keep_alive),
+                "json": bool(self.format), "schema": self.format if isinstance(self.format, dict) else None,
+                "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(default_factory=list, description="empty: just load (or unload) the model")
+    tools: list[Tool] | None = None
+
+
+class GenerateRequest(_Generation):
+    prompt: str = Field("", description="empty: just load (or unload) the model")
+    system: str | None = None
+    raw: bool = Field(False, description="send the prompt as is, without the chat template")
+    context: list[int] | None = Field(None, description="the `context` of an earlier response, to continue it")
+    suffix: str | None = Field(None, description="not supported")
+    template: str | None = Field(None, description="not supported: the model's own chat template is used")
+    images: list[str] | None = Field(None, description="not supported: kiln runs text models")
+
+
+class ModelRequest(_Model):
+    model: str | None = None
+    name: str | None = Field(None, description="older clients' spelling of `model`")
+
+    def tag(self) -> str:
+        if not (self.model or self.name):
+            raise RequestError("model is required", "model")
+        return self.model or self.name
+
+
+class PullRequest(ModelRequest):
+    insecure: bool = False
+    stream: bool = True
+
+
+# --- endpoints -----------------------------------------------------------------------------------------
+@router.post("/chat", responses=_ERRORS, summary="Chat (NDJSON stream unless stream is false)")
+async def chat(body: ChatRequest, request: Request):
+    fields = body.job_fields()
+    if not body.messages:
+        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"],
+                                     {"message": {"role": "assistant", "content": ""}})
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    job = Job(**fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None)
+    generation = await _runtime(request).start(job)
+    tag = generation.loaded.tag
+    if body.stream:
+        return _ndjson(_chat_lines(generation.events(request), tag))
+    logprobs, final = await generation.collect(request)
+    if final.error:
+        raise KilnError(final.error)
+    message: dict = {"role": "assistant", "content": final.text}
+    if final.tool_calls:
+        message["tool_calls"] = [_tool_call(c) for c in final.tool_calls]
+    return {**_head(tag), "message": message, **_done(final), **_logprobs(logprobs)}
+
+
+@router.post("/generate", responses=_ERRORS, summary="Complete a prompt (NDJSON stream unless stream is false)")
+async def generate(body: GenerateRequest, request: Request):
+    for name in ("images", "template", "suffix"):
+        if getattr(body, name):
+            raise RequestError(f"{name} is not supported by kiln's /api/generate", name)
+    fields = body.job_fields()
+    if not body.prompt and not body.context:
+        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"], {"response": ""})
+    job = Job(**fields, prompt=body.prompt, system=body.system, raw=body.raw, context=body.context, prompt_param="prompt")
+    generation = await _runtime(request).start(job)
+    tag = generation.loaded.tag
+    if body.stream:
+        return _ndjson(_generate_lines(generation.events(request), tag))
+    logprobs, final = await generation.collect(request)
+    if final.error:
+        raise KilnError(final.error)
+    return {**_head(tag), "response": final.text, **_done(final), "context": final.seq.all_ids, **_logprobs(logprobs)}
+
+
+@router.get("/tags", responses={401: _ERRORS[401]}, summary="Installed models")
+async def tags(request: Request):
+    return {"models": [_listing(r) for r in await _runtime(request).installed()]}
+
+
+@router.post("/show", responses=_ERRORS, summary="A model's details, template, parameters and metadata")
+async def show(body: ModelRequest, request: Request):
+    from kiln.commands.models import describe
+
+    record = await _runtime(request).resolve(body.tag())
+    info = await asyncio.to_thread(describe, record)
+    arch = info["family"]
+    parameters = "\n".join(f"{k} {v}" for k, v in (record.catalog.defaults if record.catalog else ()))
+    template = info["chat_template"] or ""
+    model_info = {"general.architecture": arch, "general.name": info["name"], "general.parameter_count": info["parameters"],
+                  "general.quantization": info["quantization"], f"{arch}.context_length": info["context_length"],
+                  f"{arch}.embedding_length": info["embedding_length"], f"{arch}.block_count": info["layers"],
+                  f"{arch}.attention.head_count": info["heads"], f"{arch}.attention.head_count_kv": info["kv_heads"],
+                  f"{arch}.attention.key_length": info["head_dim"]}
+    modelfile = f"# Modelfile generated by kiln\nFROM {record.path}\nTEMPLATE \"\"\"{template}\"\"\"\n"
+    modelfile += "".join(f"PARAMETER {line}\n" for line in parameters.splitlines())
+    return {"modelfile": modelfile, "parameters": parameters, "template": template, "details": _details(record),
+            "model_info": model_info, "capabilities": ["completion", "tools"], "license": "",
+            "modified_at": _modified(record)}
+
+
+@router.get("/ps", responses={401: _ERRORS[401]}, summary="The loaded model")
+async def ps(request: Request):
+    runtime = _runtime(request)
+    loaded = runtime.loaded
+    if loaded is None:
+        return {"models": []}
+    keep = runtime.settings.keep_alive
+    if loaded.expires_at is not None:
+        expires = _iso(loaded.expires_at)
+    elif loaded.active and keep is not None:  # busy: its keep-alive starts when it is idle again
+        expires = _iso(datetime.now(timezone.utc).timestamp() + keep)
+    else:
+        expires = _FOREVER
+    r = loaded.record
+    return {"models": [{"name": r.tag, "model": r.tag, "size": r.size, "digest": r.sha256 or "",
+                        "details": _details(r), "expires_at": expires, "size_vram": 0,
+                        "context_length": loaded.model.n_ctx}]}
+
+
+@router.post("/pull", responses=_ERRORS, summary="Pull a catalog model (NDJSON progress unless stream is false)")
+async def pull(body: PullRequest, request: Request):
+    from kiln.store import looks_like_path
+
+    runtime, tag = _runtime(request), body.tag()
+    if looks_like_path(tag):
+        raise RequestError(f"model {tag!r}: /api/pull takes a catalog tag, not a file path", "model")
+    if not body.stream:
+        async with runtime.pull_lock:
+            await asyncio.to_thread(runtime.store.pull, tag, False)
+        return {"status": "success"}
+    return _ndjson(_pull_lines(runtime, tag))
+
+
+@router.delete("/delete", responses=_ERRORS, summary="Remove an installed model (unloading it first)")
+async def delete(body: ModelRequest, request: Request):
+    runtime, name = _runtime(request), body.tag()
+    try:
+        record = await runtime.resolve(name)
+    except StoreError:  # damaged (a missing blob, a bad manifest): remove it all the same
+        record = None
+    if record is not None:
+        await runtime.unload(record.tag)
+    await asyncio.to_thread(runtime.store.remove, name)
+    return Response(status_code=200)
+
+
+@router.get("/version", summary="kiln's version")
+async def version():
+    return {"version": __version__}
+
+
+# --- translation ---------------------------------------------------------------------------------------
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _head(tag: str) -> dict:
+    return {"model": tag, "created_at": _iso(datetime.now(timezone.utc).timestamp())}
+
+
+def _done(final: Final) -> dict:
+    """Ollama's final fields (durations in ns); a call counts as a normal stop, as in Ollama."""
+    t = final.timings
+    ns = lambda ms: int(ms * 1e6)  # noqa: E731
+    out = {"done": True, "done_reason": "stop" if final.finish_reason == "tool_calls" else final.finish_reason,
+           "total_duration": ns(t.load_ms + t.queue_ms + t.total_ms), "load_duration": ns(t.load_ms),
+           "prompt_eval_count": t.prompt_tokens, "prompt_eval_duration": ns(t.prefill_ms),
+           "eval_count": t.completion_tokens, "eval_duration": ns(t.decode_ms), "timings": t.as_dict()}
+    if final.tool_error:
+        out["tool_call_error"] = final.tool_error
+    return out
+
+
+def _logprobs(records: list[dict]) -> dict:
+    if not records:
+        return {}
+    return {"logprobs": [{"token": r["token"], "logprob": r["logprob"],
+                          "top_logprobs": [{"token": a["token"], "logprob": a["logprob"]} for a in r["top"]]}
+                         for r in records]}
+
+
+def _tool_call(call) -> dict:
+    return {"function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _message(index: int, m: Message) -> dict:
+    if m.images:
+        raise RequestError(f"messages[{index}].images: kiln runs text models", f"messages[{index}].images")
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in m.tool_calls]
+    if m.tool_name:
+        out["name"] = m.tool_name
+    return out
+
+
+def _details(record) -> dict:
+    d = record.details
+    family = d.get("family", "")
+    return {"parent_model": "", "format": "gguf", "family": family, "families": [family] if family else [],
+            "parameter_size": d.get("parameters", ""), "quantization_level": d.get("quantization", "")}
+
+
+def _modified(record) -> str:
+    if record.pulled_at:
+        return record.pulled_at
+    return _iso(record.path.stat().st_mtime)
+
+
+def _listing(record) -> dict:
+    return {"name": record.tag, "model": record.tag, "modified_at": _modified(record), "size": record.size,
+            "digest": record.sha256 or "", "details": _details(record)}
+
+
+async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict) -> dict:
+    """Ollama's empty request: load the model, or with keep_alive 0 unload it."""
+    if keep_alive == 0:
+        record = await runtime.resolve(model)
+        await runtime.unload(record.tag)
+        return {**_head(record.tag), **body, "done": True, "done_reason": "unload"}
+    loaded = await runtime.preload(model, keep_alive)
+    return {**_head(loaded.tag), **body, "done": True, "done_reason": "load"}
+
+
+def _ndjson(lines) -> StreamingResponse:
+    async def encoded():
+        async for line in lines:
+            yield json.dumps(line) + "\n"
+
+    return StreamingResponse(encoded(), media_type="application/x-ndjson")
+
+
+async def _chat_lines(events, tag: str):
+    async for event in events:
+        if isinstance(event, Delta):
+            message: dict = {"role": "assistant", "content": event.text}
+            if event.tool_calls:
+                message["tool_calls"] = [_tool_call(c) for c in event.tool_calls]
+            yield {**_head(tag), "message": message, "done": False, **_logprobs(event.logprobs)}
+        elif event.error:
+            yield {"error": event.error}
+        else:
+            yield {**_head(tag), "message": {"role": "assistant", "content": ""}, **_done(event)}
+
+
+async def _generate_lines(events, tag: str):
+    async for event in events:
+        if isinstance(event, Delta):
+            yield {**_head(tag), "response": event.text, "done": False, **_logprobs(event.logprobs)}
+        elif event.error:
+            yield {"error": event.error}
+        else:
+            yield {**_head(tag), "response": "", **_done(event), "context": event.seq.all_ids}
+
+
+async def _pull_lines(runtime: Runtime, tag: str):
+    """Ollama's progress lines. Bytes are read off the pull's staging folder (the store's documented
+    tmp/<pid>-*/ layout), since the store reports progress only to a terminal."""
+    yield {"status": "pulling manifest"}
+    try:
+        async with runtime.pull_lock:
+            entry = next((e for e in runtime.store.available() if e.tag == tag), None)
+            task = asyncio.ensure_future(asyncio.to_thread(runtime.store.pull, tag, False))
+            staging = runtime.store.home / "tmp"
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                completed = _staged_bytes(staging)
+                if completed and entry is not None:
+                    yield {"status": f"pulling {entry.sha256[:12]}", "digest": f"sha256:{entry.sha256}",
+                           "total": entry.size, "completed": min(completed, entry.size)}
+            record = task.result()
+    except (KilnError, OSError) as e:
+        yield {"error": str(e) if isinstance(e, KilnError) else f"pull failed: {e}"}
+        return
+    yield {"status": f"pulled {record.tag}", "digest": f"sha256:{record.sha256}", "total": record.size,
+           "completed": record.size}
+    yield {"status": "success"}
+
+
+def _staged_bytes(staging) -> int:
+    """The largest file this process is staging: the download, then the extracted model."""
+    largest = 0
+    for folder in staging.glob(f"{os.getpid()}-*"):
+        for root, _, files in os.walk(folder):
+            for name in files:
+                try:
+                    largest = max(largest, os.path.getsize(os.path.join(root, name)))
+                except OSError:  # renamed into the store meanwhile
+                    pass
+    return largest

@@ -1,0 +1,358 @@
+"""OpenAI's API (/v1): chat completions, completions and models, translated to and from `runtime.Job`.
+
+Beyond OpenAI's fields every response carries kiln's timings: `usage.prompt_tokens_details.cached_tokens`
+and a `timings` object with llama-server's names (`cache_n`, `prompt_n`, `prompt_per_second`,
+`predicted_per_second`, ...) plus kiln's own (`queue_ms`, `ttft_ms`, `load_ms`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln import __version__
+from kiln.errors import KilnError, ModelNotFoundError, RequestError
+from kiln.server.runtime import Delta, Final, Job, Runtime
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+_ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `param`)"},
+           401: {"description": "Missing or wrong API key"},
+           404: {"description": "Unknown model"},
+           503: {"description": "Queue full, or the model is being unloaded"}}
+
+
+# --- request models --------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields kiln has no use for (user, metadata, store)
+
+
+class ContentPart(_Model):
+    type: str = Field(description="only 'text' parts are supported: kiln runs text models")
+    text: str | None = None
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict = Field(description="JSON text (OpenAI) or an object")
+
+
+class ToolCallIn(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments")
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class JSONSchemaFormat(_Model):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    model: str = Field(description="an installed model tag, e.g. smollm2:135m")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="llama-server extension")
+    min_p: float | None = Field(None, ge=0, le=1, description="llama-server extension")
+    repeat_penalty: float | None = Field(None, gt=0, description="llama-server extension")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, description="a negative seed means random, as in Ollama")
+    stop: str | list[str] | None = None
+    n: int = Field(1, description="kiln generates one choice per request")
+
+    def job_fields(self) -> dict:
+        if self.n != 1:
+            raise RequestError(f"n must be 1: kiln generates one choice per request (got {self.n})", "n")
+        sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+                                                  "presence_penalty", "frequency_penalty")}
+        sampling["seed"] = self.seed if self.seed is not None and self.seed >= 0 else None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="accepted; a grammar-forced call is always one call")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = Field(None, description="not supported (no fill-in-the-middle models)")
+
+
+# --- endpoints -----------------------------------------------------------------------------------------
+@router.post("/chat/completions", responses=_ERRORS, summary="Chat completion (SSE when stream is true)")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    fmt = body.response_format
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise RequestError("response_format.json_schema is required when the type is json_schema",
+                           "response_format.json_schema")
+    job = Job(**body.job_fields(), messages=messages,
+              max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+              max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+              tools=[t.model_dump() for t in body.tools] if body.tools else None,
+              tool_choice=_tool_choice(body.tool_choice),
+              json=fmt is not None and fmt.type != "text",
+              schema=fmt.json_schema.json_schema if fmt is not None and fmt.json_schema else None,
+              format_param="response_format")
+    generation = await _runtime(request).start(job)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
+            "system_fingerprint": _fingerprint()}
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _sse(_chat_chunks(generation.events(request), meta, include_usage))
+    logprobs, final = await generation.collect(request)
+    _raise_engine_error(final)
+    message: dict = {"role": "assistant", "content": final.text if final.text or not final.tool_calls else None}
+    if final.tool_calls:
+        message["tool_calls"] = [_tool_call(c) for c in final.tool_calls]
+    choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
+              "logprobs": {"content": [_chat_logprob(r) for r in logprobs]} if job.logprobs is not None else None}
+    if final.tool_error:
+        choice["tool_call_error"] = final.tool_error
+    return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage(final), "timings": timings(final)}
+
+
+@router.post("/completions", responses=_ERRORS, summary="Text completion (SSE when stream is true)")
+async def completions(body: CompletionRequest, request: Request):
+    if body.suffix:
+        raise RequestError("suffix is not supported: kiln has no fill-in-the-middle models", "suffix")
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+    job = Job(**body.job_fields(), prompt=prompt, raw=True, max_tokens=body.max_tokens, logprobs=body.logprobs,
+              prompt_param="prompt")
+    generation = await _runtime(request).start(job)
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
+            "system_fingerprint": _fingerprint()}
+    echo = generation.seq.tokenizer.decode(generation.seq.prompt_ids) if body.echo else ""
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _sse(_completion_chunks(generation.events(request), meta, include_usage, echo, job.logprobs is not None))
+    logprobs, final = await generation.collect(request)
+    _raise_engine_error(final)
+    choice = {"index": 0, "text": echo + final.text, "finish_reason": final.finish_reason,
+              "logprobs": _completion_logprobs(logprobs, len(echo)) if job.logprobs is not None else None}
+    return {**meta, "object": "text_completion", "choices": [choice], "usage": usage(final), "timings": timings(final)}
+
+
+@router.get("/models", responses={401: _ERRORS[401]}, summary="Installed models")
+async def list_models(request: Request):
+    runtime = _runtime(request)
+    records = await runtime.installed()
+    return {"object": "list", "data": [_model_entry(r) for r in records]}
+
+
+@router.get("/models/{model:path}", responses={401: _ERRORS[401], 404: _ERRORS[404]}, summary="One installed model")
+async def get_model(model: str, request: Request):
+    for record in await _runtime(request).installed():
+        if record.tag == model:
+            return _model_entry(record)
+    raise ModelNotFoundError(f"model {model!r} not found")
+
+
+# --- translation ---------------------------------------------------------------------------------------
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _model_entry(record) -> dict:
+    created = int(record.path.stat().st_mtime) if record.path.exists() else 0
+    return {"id": record.tag, "object": "model", "created": created, "owned_by": "kiln"}
+
+
+def _fingerprint() -> str:
+    return f"kiln-{__version__}"
+
+
+def _message(index: int, m: ChatMessage) -> dict:
+    content = m.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                param = f"messages[{index}].content[{j}]"
+                raise RequestError(f"{param}: only text parts are supported (got {part.type!r}); kiln runs text models",
+                                   param)
+        content = "".join(part.text for part in content)
+    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool_choice(choice):
+    if choice is None:
+        return "auto"
+    return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+
+def _tool_call(call, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+    return out if index is None else {"index": index, **out}
+
+
+def _raise_engine_error(final: Final) -> None:
+    if final.error:
+        raise KilnError(final.error)
+
+
+def usage(final: Final) -> dict:
+    t = final.timings
+    return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
+            "total_tokens": t.prompt_tokens + t.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": t.cached_tokens}}
+
+
+def timings(final: Final) -> dict:
+    """llama-server's timing names, then kiln's own. `predicted_per_second` counts the tokens after the
+    first, which comes out of the prefill."""
+    t = final.timings
+    computed = t.prompt_tokens - t.cached_tokens
+    steps = max(t.completion_tokens - 1, 0)
+    return {"cache_n": t.cached_tokens, "prompt_n": computed, "prompt_ms": round(t.prefill_ms, 3),
+            "prompt_per_token_ms": round(t.prefill_ms / computed, 3) if computed else 0.0,
+            "prompt_per_second": round(t.prefill_tps, 2), "predicted_n": t.completion_tokens,
+            "predicted_ms": round(t.decode_ms, 3),
+            "predicted_per_token_ms": round(t.decode_ms / steps, 3) if steps else 0.0,
+            "predicted_per_second": round(t.decode_tps, 2), **t.as_dict()}
+
+
+def _chat_logprob(record: dict) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {**entry(record["token"], record["logprob"]), "top_logprobs": [entry(a["token"], a["logprob"]) for a in record["top"]]}
+
+
+def _completion_logprobs(records: list[dict], offset: int) -> dict:
+    offsets = []
+    for r in records:
+        offsets.append(offset)
+        offset += len(r["token"])
+    return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in r["top"]} for r in records], "text_offset": offsets}
+
+
+def _sse(chunks) -> StreamingResponse:
+    async def lines():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _stream_error(final: Final) -> dict:
+    return {"error": {"message": final.error, "type": "server_error", "param": None, "code": None}}
+
+
+async def _chat_chunks(events, meta: dict, include_usage: bool):
+    def chunk(delta: dict, finish_reason=None, **extra) -> dict:
+        return {**meta, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, **extra}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    n_calls = 0
+    async for event in events:
+        if isinstance(event, Delta):
+            delta: dict = {"content": event.text} if event.text else {}
+            if event.tool_calls:
+                delta["tool_calls"] = [_tool_call(c, n_calls + i) for i, c in enumerate(event.tool_calls)]
+                n_calls += len(event.tool_calls)
+            logprobs = {"content": [_chat_logprob(r) for r in event.logprobs]} if event.logprobs else None
+            yield chunk(delta, logprobs=logprobs)
+            continue
+        if event.error:
+            yield _stream_error(event)
+            return
+        extra = {"tool_call_error": event.tool_error} if event.tool_error else {}
+        yield {**chunk({}, event.finish_reason, **extra), "timings": timings(event)}
+        if include_usage:
+            yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(event), "timings": timings(event)}
+
+
+async def _completion_chunks(events, meta: dict, include_usage: bool, echo: str, logprobs: bool):
+    def chunk(text: str, finish_reason=None, records=()) -> dict:
+        return {**meta, "object": "text_completion",
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason,
+                             "logprobs": _completion_logprobs(list(records), offset) if logprobs and records else None}]}
+
+    offset = 0
+    if echo:
+        yield chunk(echo)
+        offset = len(echo)
+    async for event in events:
+        if isinstance(event, Delta):
+            yield chunk(event.text, records=event.logprobs)
+            offset += sum(len(r["token"]) for r in event.logprobs)
+            continue
+        if event.error:
+            yield _stream_error(event)
+            return
+        yield {**chunk("", event.finish_reason), "timings": timings(event)}
+        if include_usage:
+            yield {**meta, "object": "text_completion", "choices": [], "usage": usage(event), "timings": timings(event)}

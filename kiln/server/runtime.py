@@ -1,0 +1,415 @@
+"""The one generation path behind both APIs, and the loaded model's lifecycle.
+
+`Runtime.start(job)` resolves and (re)loads the model, renders and tokenizes the prompt, builds the
+sequence and submits it to the scheduler; anything wrong with the request raises there, before a response
+starts. The returned `Generation` yields `Delta`s as the engine thread releases text, then one `Final`.
+
+One model is loaded at a time. A request for another waits for the running requests to finish, then the
+models are swapped (as Ollama does). An idle model is unloaded when its keep-alive runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from kiln.engine.scheduler import Finished, Request, Scheduler, Token
+from kiln.engine.sequence import Sequence, plan_budget
+from kiln.errors import ContextLengthError, ModelNotFoundError, RequestError
+from kiln.server import tools as toolcalls
+from kiln.server.metrics import Metrics
+from kiln.server.tools import ToolCall, ToolCallParser
+
+log = logging.getLogger("kiln.server")
+
+DEFAULT = "default"  # a keep_alive that means the server's --keep-alive
+
+
+@dataclass
+class Settings:
+    parallel: int = 4
+    ctx_len: int | None = None
+    max_queue: int = 64
+    keep_alive: float | None = 300.0  # seconds an idle model stays loaded; None: forever
+    threads: int | None = None
+    backend: str = "auto"
+    prefill_chunk: int | None = None
+
+
+@dataclass
+class Job:
+    """A generation request in kiln's terms; openai.py and ollama.py translate into this."""
+
+    api: str  # "openai" or "ollama", for metrics
+    model: str
+    messages: list[dict] | None = None  # a chat; otherwise `prompt`
+    prompt: str | list[int] | None = None
+    system: str | None = None  # Ollama's generate: rendered with the chat template around `prompt`
+    raw: bool = True  # send `prompt` as is, without the chat template
+    context: list[int] | None = None  # Ollama's generate: token ids of an earlier exchange to continue
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "auto"
+    sampling: dict = field(default_factory=dict)  # SamplingParams overrides
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    schema: dict | None = None  # with `json`: the JSON schema the output must match (None: any object)
+    json: bool = False
+    keep_alive: float | None | str = DEFAULT  # seconds; None: forever
+    # which request fields these are, for error messages
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+    format_param: str = "response_format"
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Final:
+    model: str
+    seq: Sequence
+    finish_reason: str  # stop, length, tool_calls, invalid_tool_call, cancelled, error
+    text: str  # all content released (tool-call text excluded)
+    tool_calls: list[ToolCall]
+    tool_error: str | None
+    error: str | None  # the engine failed this request
+
+    @property
+    def timings(self):
+        return self.seq.timings
+
+
+@dataclass(eq=False)
+class Loaded:
+    model: object  # kiln.engine.model.Model
+    scheduler: Scheduler
+    record: object  # kiln.store.ModelRecord
+    expires_at: float | None = None  # wall clock; None while busy or when kept forever
+    active: int = 0
+
+    @property
+    def tag(self) -> str:
+        return self.record.tag
+
+
+class Runtime:
+    def __init__(self, settings: Settings, store=None):
+        from kiln.store import Store
+
+        self.settings = settings
+        self.store = store or Store()
+        self.loaded: Loaded | None = None
+        self.loading: str | None = None  # the tag being loaded, for /health
+        self.metrics = Metrics(self.stats)
+        self._switch = asyncio.Lock()  # one load, unload or swap at a time
+        self._idle = asyncio.Condition()  # notified when a request releases its model
+        self._expiry = asyncio.Event()  # wakes the reaper early (keep_alive 0)
+        self.pull_lock = asyncio.Lock()  # one pull at a time: progress is read off the store's staging folder
+
+    # --- models ----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        if self.loaded is None:
+            return {"running": 0, "waiting": 0, "kv_used": 0, "kv_capacity": 0, "kv_cached": 0}
+        return self.loaded.scheduler.stats()
+
+    async def installed(self) -> list:
+        """Usable installed models, plus the loaded one when the server was started with a .gguf path."""
+        records = [r for r in await asyncio.to_thread(self.store.installed) if not r.problem]
+        if self.loaded is not None and self.loaded.tag not in {r.tag for r in records}:
+            records.append(self.loaded.record)
+        return records
+
+    async def resolve(self, name: str, allow_path: bool = False):
+        """The store record `name` means: an installed tag, or the model the server was started with."""
+        from kiln.store import looks_like_path
+
+        if self.loaded is not None and name == self.loaded.tag:
+            return self.loaded.record
+        if not name.strip():
+            raise ModelNotFoundError("model is required: name an installed model (GET /api/tags lists them)")
+        if looks_like_path(name) and not allow_path:  # clients may not open files on the server's disk
+            raise ModelNotFoundError(f"model {name!r} not found; name an installed model, not a file path")
+        return await asyncio.to_thread(self.store.resolve, name)
+
+    async def acquire(self, name: str, allow_path: bool = False) -> Loaded:
+        """The loaded model `name` means, loading or swapping it in; release() it when done."""
+        record = await self.resolve(name, allow_path)
+        async with self._switch:
+            if self.loaded is None or self.loaded.tag != record.tag:
+                if self.loaded is not None:
+                    async with self._idle:
+                        await self._idle.wait_for(lambda: self.loaded.active == 0)
+                    await self._unload()
+                await self._load(record)
+            self.loaded.active += 1
+            self.loaded.expires_at = None
+            return self.loaded
+
+    async def release(self, loaded: Loaded, keep_alive) -> None:
+        loaded.active -= 1
+        if loaded.active == 0:
+            seconds = self.settings.keep_alive if keep_alive == DEFAULT else keep_alive
+            loaded.expires_at = None if seconds is None else time.time() + seconds
+            self._expiry.set()
+        async with self._idle:
+            self._idle.notify_all()
+
+    async def preload(self, name: str, keep_alive=DEFAULT, allow_path: bool = False) -> Loaded:
+        loaded = await self.acquire(name, allow_path)
+        await self.release(loaded, keep_alive)
+        return loaded
+
+    async def unload(self, tag: str | None = None) -> bool:
+        """Unload the model (only if it is `tag`) once its requests are done; False if it was not loaded."""
+        async with self._switch:
+            if self.loaded is None or (tag is not None and self.loaded.tag != tag):
+                return False
+            async with self._idle:
+                await self._idle.wait_for(lambda: self.loaded.active == 0)
+            await self._unload()
+            return True
+
+    async def reap(self) -> None:
+        """Unload an idle model whose keep-alive ran out; runs for the app's lifetime."""
+        while True:
+            loaded = self.loaded
+            delay = 1.0
+            if loaded is not None and loaded.active == 0 and loaded.expires_at is not None:
+                delay = loaded.expires_at - time.time()
+                if delay <= 0:
+                    async with self._switch:
+                        if self.loaded is loaded and loaded.active == 0 and loaded.expires_at is not None \
+                                and loaded.expires_at <= time.time():
+                            await self._unload()
+                    continue
+            self._expiry.clear()
+            try:
+                await asyncio.wait_for(self._expiry.wait(), timeout=min(max(delay, 0.05), 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        async with self._switch:
+            if self.loaded is not None:
+                await self._unload()
+
+    async def _load(self, record) -> None:
+        from kiln.engine.model import load
+
+        s = self.settings
+        self.loading = record.tag
+        try:
+            ref = str(record.path) if record.sha256 is None else record.tag
+            model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=s.ctx_len, n_slots=s.parallel,
+                                            threads=s.threads, store=self.store, progress=False)
+        finally:
+            self.loading = None
+        scheduler = Scheduler(model.engine, s.parallel, s.max_queue, s.prefill_chunk)
+        scheduler.start()
+        self.loaded = Loaded(model, scheduler, record)
+        log.info("loaded %s (%s engine, %d slots of %d tokens) in %.0f ms", record.tag, model.engine.name,
+                 s.parallel, model.n_ctx, model.load_ms)
+
+    async def _unload(self) -> None:
+        loaded, self.loaded = self.loaded, None
+        await asyncio.to_thread(loaded.scheduler.stop)
+        loaded.model.close()
+        log.info("unloaded %s", loaded.tag)
+
+    # --- generation --------------------------------------------------------------------------------------
+    async def start(self, job: Job) -> Generation:
+        t0 = time.perf_counter()
+        loaded = await self.acquire(job.model)
+        try:
+            load_ms = (time.perf_counter() - t0) * 1e3
+            seq, parser = await asyncio.to_thread(prepare, loaded.model, job)
+            seq.timings.load_ms = load_ms
+            generation = Generation(self, loaded, job, seq, parser)
+            loaded.scheduler.submit(generation.request)
+        except BaseException as e:
+            self.metrics.rejected.labels(type(e).__name__).inc()
+            await self.release(loaded, job.keep_alive)
+            raise
+        return generation
+
+
+def prepare(model, job: Job) -> tuple[Sequence, ToolCallParser | None]:
+    """Prompt token ids, sampling, budget and constraints for `job`: everything checked before it queues."""
+    from kiln.engine.grammar import Constraint, json_grammar
+    from kiln.engine.sampler import SamplingParams
+
+    tok = model.tokenizer
+    use_tools = bool(job.tools) and job.tool_choice != "none"
+    if use_tools or job.tool_choice != "auto":
+        toolcalls.check_tool_choice(job.tools, job.tool_choice)
+    if job.messages is not None:
+        messages, template_tools = toolcalls.render_messages(job.messages, job.tools if use_tools else None,
+                                                             tok.chat_template, job.tool_choice)
+        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools))
+    elif isinstance(job.prompt, list):
+        ids = _token_ids(job.prompt, tok.vocab_size, job.prompt_param)
+    elif job.raw:
+        ids = tok.encode(job.prompt, add_bos=None if not job.context else False)
+    else:
+        messages = ([{"role": "system", "content": job.system}] if job.system else []) + [{"role": "user", "content": job.prompt}]
+        ids = tok.encode(tok.apply_chat_template(messages), add_bos=None if not job.context else False)
+    if job.context:
+        ids = _token_ids(job.context, tok.vocab_size, "context") + ids
+    if not ids:
+        raise RequestError(f"{job.prompt_param} is empty", job.prompt_param)
+    try:
+        budget = plan_budget(len(ids), job.max_tokens, model.n_ctx)
+    except ContextLengthError as e:
+        error = ContextLengthError(f"{job.prompt_param}: {e}".replace("max_tokens", job.max_tokens_param))
+        error.param = job.max_tokens_param if len(ids) < model.n_ctx else job.prompt_param
+        raise error from None
+    params = SamplingParams().replace(**model.defaults).replace(**job.sampling)
+    constraint = None
+    if use_tools and job.tool_choice != "auto":
+        constraint = Constraint(tok, toolcalls.forced_call_grammar(job.tools, job.tool_choice), "tool_choice")
+    elif job.json:
+        constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
+    seq = Sequence(ids, params, tok, budget, stop=[s for s in job.stop if s], stop_ids=tok.stop_ids,
+                   logprobs=job.logprobs, constraint=constraint)
+    return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
+
+
+def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"{param} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})", param)
+    return list(ids)
+
+
+class Generation:
+    """One request in flight: engine events in, `Delta`s and a `Final` out. Accounting (metrics, releasing
+    the model) happens when the engine retires the request, whether or not anyone still reads the events."""
+
+    def __init__(self, runtime: Runtime, loaded: Loaded, job: Job, seq: Sequence, parser: ToolCallParser | None):
+        self.runtime, self.loaded, self.job, self.seq, self.parser = runtime, loaded, job, seq, parser
+        self.request = Request(seq, self._sink)
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._done = False
+        self._text: list[str] = []
+        self._calls: list[ToolCall] = []
+
+    def _sink(self, event: Token | Finished) -> None:  # on the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _deliver(self, event: Token | Finished) -> None:
+        self._events.put_nowait(event)
+        if isinstance(event, Finished):
+            self._done = True
+            self._loop.create_task(self._account())
+
+    def cancel(self) -> None:
+        if not self._done:
+            self.loaded.scheduler.cancel(self.request)
+
+    async def watch(self, http_request) -> None:
+        """Cancel when the client disconnects. The body is read by now, so the next ASGI message that
+        arrives is the disconnect (or the one sent once the response is complete)."""
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancel()
+
+    async def events(self, http_request=None):
+        """Deltas as text is released, then the Final. Leaving early (the client is gone) cancels."""
+        watcher = asyncio.create_task(self.watch(http_request)) if http_request is not None else None
+        try:
+            while True:
+                event = await self._events.get()
+                if isinstance(event, Token):
+                    delta = self._delta(self.parser.feed(event.text) if self.parser else [event.text])
+                    if event.logprob is not None:
+                        delta.logprobs.append(event.logprob)
+                    if delta.text or delta.tool_calls or delta.logprobs:
+                        yield delta
+                    continue
+                if self.parser is not None:
+                    delta = self._delta(self.parser.close())
+                    if delta.text or delta.tool_calls:
+                        yield delta
+                yield self._final(event)
+                return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.cancel()
+
+    async def collect(self, http_request=None) -> tuple[list[dict], Final]:
+        """The whole answer: the logprob records, and the Final with the text and tool calls."""
+        logprobs: list[dict] = []
+        async for event in self.events(http_request):
+            if isinstance(event, Final):
+                final = event
+            else:
+                logprobs += event.logprobs
+        return logprobs, final
+
+    def _delta(self, items: list) -> Delta:
+        delta = Delta()
+        for item in items:
+            if isinstance(item, ToolCall):
+                delta.tool_calls.append(item)
+            else:
+                delta.text += item
+        self._text.append(delta.text)
+        self._calls += delta.tool_calls
+        return delta
+
+    def _final(self, event: Finished) -> Final:
+        errors = self.parser.errors if self.parser else []
+        reason = self.seq.finish_reason
+        if event.error:
+            reason = "error"
+        elif reason != "cancelled" and self._calls:
+            reason = "tool_calls"
+        elif reason == "stop" and errors:
+            reason = "invalid_tool_call"
+        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), self._calls,
+                     "; ".join(errors) or None, event.error)
+
+    async def _account(self) -> None:
+        t = self.seq.timings
+        self.runtime.metrics.observe(self.job.api, self.seq.finish_reason, t)
+        await self.runtime.release(self.loaded, self.job.keep_alive)
+        log.info("%s %s: %d prompt tokens (%d cached), %d generated; queue %.0f ms, TTFT %.0f ms, "
+                 "decode %.1f tok/s; %s", self.job.api, self.loaded.tag, t.prompt_tokens, t.cached_tokens,
+                 t.completion_tokens, t.queue_ms, t.ttft_ms, t.decode_tps, self.seq.finish_reason)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
+    """Ollama's keep_alive: seconds, or a Go duration ("5m", "1h30m"); negative means forever (None)."""
+    if isinstance(value, bool):
+        raise RequestError(f"{param} must be a duration such as \"5m\" or a number of seconds", param)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            body = text.lstrip("+-")
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise RequestError(f"{param} {value!r} is not a duration such as \"5m\", \"1h30m\" or \"-1\"",
+                                   param) from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts) * (-1 if text.startswith("-") else 1)
+    return None if seconds < 0 else seconds

@@ -1,0 +1,226 @@
+"""The batching scheduler against a scripted engine: every step it runs is recorded and checked."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kiln.engine.sampler import SamplingParams
+from kiln.engine.scheduler import Finished, QueueFullError, Request, Scheduler, Token
+from kiln.engine.sequence import Sequence
+
+VOCAB = 64
+
+
+class ScriptedEngine:
+    """Each row's logits favour (its token + 1) % VOCAB, so greedy decoding counts upwards."""
+
+    def __init__(self, n_slots=4, n_ctx=256, max_batch=4, prefill_rows=8):
+        self.n_slots, self.n_ctx, self.max_batch, self.prefill_rows = n_slots, n_ctx, max_batch, prefill_rows
+        self.steps: list[dict] = []
+        self.fail_next = False
+
+    def step(self, tokens, slots, positions, out_rows):
+        self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),
+                           "out_rows": list(out_rows)})
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("simulated kernel fault")
+        assert len(tokens) <= self.prefill_rows
+        logits = np.zeros((len(out_rows), VOCAB), np.float32)
+        for i, row in enumerate(out_rows):
+            logits[i, (tokens[row] + 1) % VOCAB] = 1.0
+        return logits
+
+
+class Letters:
+    """A tokenizer whose token i is the letter chr(64 + i)."""
+
+    vocab_size = VOCAB
+
+    class _Stream:
+        def feed(self, i):
+            return chr(64 + i)
+
+        def flush(self):
+            return ""
+
+    def stream(self, skip_special=True):
+        return self._Stream()
+
+    def decode(self, ids, skip_special=True):
+        return "".join(chr(64 + i) for i in ids)
+
+
+class Client:
+    """A request plus what its sink received."""
+
+    def __init__(self, prompt, max_tokens=4, stop_ids=frozenset()):
+        self.seq = Sequence(list(prompt), SamplingParams.greedy(), Letters(), max_tokens, stop_ids=stop_ids)
+        self.text, self.finished, self.done = "", None, threading.Event()
+        self.request = Request(self.seq, self.sink)
+
+    def sink(self, event):
+        if isinstance(event, Token):
+            self.text += event.text
+        else:
+            self.finished = event
+            self.done.set()
+
+
+def run_steps(s: Scheduler, n: int | None = None) -> None:
+    """Drive the loop by hand: n steps, or until nothing is left."""
+    count = 0
+    while (n is None or count < n) and (s.running or s.waiting):
+        batch = s.schedule()
+        if batch.tokens and (logits := s.run(batch)) is not None:
+            s.postprocess(batch, logits)
+        count += 1
+
+
+def test_a_request_decodes_and_frees_its_slot():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=2, max_queue=4)
+    c = Client([1, 2, 3], max_tokens=4)
+    s.submit(c.request)
+    run_steps(s)
+    assert c.seq.output_ids == [4, 5, 6, 7] and c.text == "DEFG"
+    assert c.seq.finish_reason == "length" and c.finished.error is None
+    assert engine.steps[0]["positions"] == [0, 1, 2] and engine.steps[0]["out_rows"] == [2]
+    assert [st["positions"] for st in engine.steps[1:]] == [[3], [4], [5]]  # the last token is never fed
+    assert s.free == {0, 1} and not s.running
+    assert s.slot_tokens[c.seq.slot] == [1, 2, 3, 4, 5, 6]
+
+
+def test_new_requests_join_between_steps_and_decode_together():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=4, max_queue=4)
+    a, b = Client([1, 2], max_tokens=6), Client([10, 11], max_tokens=3)
+    s.submit(a.request)
+    run_steps(s, 2)
+    s.submit(b.request)
+    run_steps(s)
+    joint = [st for st in engine.steps if set(st["slots"]) == {a.seq.slot, b.seq.slot}]
+    assert joint, "b never ran in the same step as a"
+    assert any(len(st["out_rows"]) == 2 for st in joint)  # one step sampled both
+    assert a.seq.output_ids == [3, 4, 5, 6, 7, 8] and b.seq.output_ids == [12, 13, 14]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    engine = ScriptedEngine(max_batch=4, prefill_rows=8)
+    s = Scheduler(engine, n_slots=4, max_queue=4)
+    a = Client([1], max_tokens=20)
+    s.submit(a.request)
+    run_steps(s, 2)
+    b = Client(list(range(30)), max_tokens=2)
+    s.submit(b.request)
+    while b.seq.output_ids == [] and not b.finished:
+        before = len(a.seq.output_ids)
+        run_steps(s, 1)
+        step = engine.steps[-1]
+        assert len(step["tokens"]) <= 8
+        assert a.seq.slot in step["slots"] and len(a.seq.output_ids) == before + 1  # a kept streaming
+    chunks = [st for st in engine.steps if b.seq.slot in st["slots"]]
+    assert len(chunks) >= 5  # 30 prompt tokens, at most 7 per step beside a's decode row
+    fed = [p for st in chunks for p, slot in zip(st["positions"], st["slots"]) if slot == b.seq.slot]
+    assert fed == list(range(30))
+
+
+def test_prompt_cache_picks_the_slot_with_the_longest_prefix():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=3, max_queue=4)
+    first = Client([5, 9, 9, 9, 9], max_tokens=3)
+    other = Client([7, 7, 7], max_tokens=1)
+    s.submit(first.request)
+    s.submit(other.request)
+    run_steps(s)
+    history = first.seq.all_ids[:-1]  # what first's slot holds: prompt + output, less the unfed last token
+    follow = Client(history + [first.seq.output_ids[-1], 30, 31], max_tokens=1)
+    s.submit(follow.request)
+    n_steps = len(engine.steps)
+    run_steps(s)
+    assert follow.seq.slot == first.seq.slot
+    assert follow.seq.timings.cached_tokens == len(history)
+    assert engine.steps[n_steps]["positions"] == list(range(len(history), len(follow.seq.prompt_ids)))
+
+    same = Client(follow.seq.prompt_ids, max_tokens=1)  # an identical prompt: only its last token is recomputed
+    s.submit(same.request)
+    n_steps = len(engine.steps)
+    run_steps(s)
+    assert same.seq.timings.cached_tokens == len(same.seq.prompt_ids) - 1
+    assert engine.steps[n_steps]["positions"] == [len(same.seq.prompt_ids) - 1]
+
+
+def test_cancel_frees_the_slot_at_the_next_step():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=1, max_queue=4)
+    a, b = Client([1, 2], max_tokens=50), Client([3], max_tokens=2)
+    s.submit(a.request)
+    s.submit(b.request)
+    run_steps(s, 3)
+    assert b.request in s.waiting  # one slot, held by a
+    s.cancel(a.request)
+    run_steps(s, 1)
+    assert a.finished is not None and a.finished.error is None and a.seq.finish_reason == "cancelled"
+    assert b.seq.slot == 0 and b.request in s.running
+    run_steps(s)
+    assert b.seq.output_ids == [4, 5]
+
+
+def test_queue_limit():
+    s = Scheduler(ScriptedEngine(), n_slots=1, max_queue=1)
+    s.submit(Client([1]).request)  # takes the free slot at the next step
+    s.submit(Client([1]).request)  # waits
+    with pytest.raises(QueueFullError, match="queue is full"):
+        s.submit(Client([1]).request)
+    run_steps(s, 1)
+    with pytest.raises(QueueFullError):
+        s.submit(Client([1]).request)
+
+
+def test_more_sequences_than_the_decode_batch_take_turns():
+    engine = ScriptedEngine(n_slots=6, max_batch=4, prefill_rows=8)
+    s = Scheduler(engine, n_slots=6, max_queue=8)
+    clients = [Client([i], max_tokens=30) for i in range(6)]
+    for c in clients:
+        s.submit(c.request)
+    run_steps(s, 6)  # one prefill step each
+    counts = [len(c.seq.output_ids) for c in clients]
+    run_steps(s, 6)
+    assert all(len(st["tokens"]) <= 4 for st in engine.steps[-6:])
+    assert [len(c.seq.output_ids) - n for c, n in zip(clients, counts)] == [4] * 6  # 24 rows shared fairly
+
+
+def test_an_engine_failure_fails_its_requests_and_the_loop_goes_on():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=2, max_queue=4)
+    a = Client([1, 2], max_tokens=5)
+    s.submit(a.request)
+    run_steps(s, 1)
+    engine.fail_next = True
+    run_steps(s, 1)
+    assert a.finished.error and "simulated kernel fault" in a.finished.error
+    assert a.seq.finish_reason == "error" and s.free == {0, 1} and s.slot_tokens[a.seq.slot] == []
+    b = Client([1, 2], max_tokens=2)
+    s.submit(b.request)
+    run_steps(s)
+    assert b.seq.output_ids == [3, 4] and b.seq.timings.cached_tokens == 0
+
+
+def test_the_engine_thread_serves_and_stops():
+    s = Scheduler(ScriptedEngine(), n_slots=2, max_queue=4)
+    s.start()
+    clients = [Client([i, i + 1], max_tokens=5, stop_ids=frozenset({i + 4})) for i in (1, 10)]
+    for c in clients:
+        s.submit(c.request)
+    assert all(c.done.wait(10) for c in clients)
+    assert [c.seq.output_ids for c in clients] == [[3, 4, 5], [12, 13, 14]]  # the stop token ends each
+    assert all(c.seq.finish_reason == "stop" and c.seq.timings.queue_ms >= 0 for c in clients)
+    waiting = Client([1], max_tokens=5)
+    s.stop()
+    with pytest.raises(Exception, match="unloaded"):
+        s.submit(waiting.request)
+    assert s.stats()["running"] == 0 and s.stats()["kv_cached"] > 0
+    assert isinstance(clients[0].finished, Finished)

@@ -1,0 +1,387 @@
+"""`kiln serve` end to end: a real server process with smollm2:135m, driven by the official `openai` and
+`ollama` clients (unmodified) and by raw HTTP where the exact wire format matters."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from tests.conftest import TEST_HOME
+from tests.serving import kiln_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2:135m"
+CTX = 1024
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    with kiln_server(TEST_HOME, MODEL, "--parallel", "4", "--ctx-len", str(CTX), "--max-queue", "8") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oll(server):
+    return ollama.Client(host=server.url, timeout=120)
+
+
+def chat(oai, messages=QUESTION, **kwargs):
+    return oai.chat.completions.create(**{"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24, **kwargs})
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# --- OpenAI ------------------------------------------------------------------------------------------
+def test_openai_chat_stream_matches_non_stream(oai):
+    whole = chat(oai)
+    assert whole.choices[0].message.content
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    usage = whole.usage
+    assert usage.completion_tokens == whole.timings["completion_tokens"] > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == whole.timings["cache_n"]
+    for key in ("queue_ms", "ttft_ms", "load_ms", "prefill_tps", "decode_tps", "prompt_per_second", "predicted_per_second"):
+        assert key in whole.timings
+    assert whole.timings["ttft_ms"] > 0
+
+    chunks = list(chat(oai, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same tokens either way
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
+
+
+def test_openai_logprobs(oai):
+    r = chat(oai, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob  # greedy took the best token
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content)
+
+
+def test_openai_completions(oai):
+    args = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    whole = oai.completions.create(**args, logprobs=2)
+    choice = whole.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    assert len(choice.logprobs.tokens) == whole.usage.completion_tokens
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(**args, stream=True))
+    assert streamed == choice.text
+    echoed = oai.completions.create(**args, echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + choice.text
+
+
+def test_openai_models(oai):
+    ids = [m.id for m in oai.models.list()]
+    assert MODEL in ids
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+def test_openai_json_schema_output_validates(oai):
+    r = chat(oai, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=80,
+             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+    r = chat(oai, messages=[{"role": "user", "content": "List three colors as JSON."}], max_tokens=60,
+             response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":  # at "length" the object is cut short, as in OpenAI's API
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_openai_tool_call_round_trip(oai):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = chat(oai, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18})}]
+    answer = chat(oai, messages=messages, tools=[WEATHER_TOOL], max_tokens=24)
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt
+    plain = chat(oai, messages=messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=24)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+
+
+def test_openai_tool_call_round_trip_streaming(oai):
+    messages = [{"role": "user", "content": "Is it raining in Oslo?"}]
+    stream = chat(oai, messages=messages, tools=[WEATHER_TOOL], max_tokens=60, stream=True,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or part.id
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    call = calls[0]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER_TOOL["function"]["parameters"])
+
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": "light rain, 9 C"}]
+    text = "".join(c.choices[0].delta.content or "" for c in chat(oai, messages=messages, stream=True, max_tokens=24)
+                   if c.choices)
+    assert text
+
+
+# --- Ollama ------------------------------------------------------------------------------------------
+def test_ollama_chat_stream_matches_non_stream(oll, server):
+    options = {"temperature": 0, "num_predict": 24}
+    whole = oll.chat(model=MODEL, messages=QUESTION, options=options, stream=False)
+    assert whole.message.role == "assistant" and whole.message.content
+    assert whole.done and whole.done_reason in ("stop", "length")
+    assert whole.eval_count > 0 and whole.prompt_eval_count > 0
+    assert whole.total_duration >= whole.prompt_eval_duration + whole.eval_duration > 0
+    # the client keeps only Ollama's fields; kiln's timings ride along on the wire
+    raw = httpx.post(f"{server.url}/api/chat", json={"model": MODEL, "messages": QUESTION, "options": options,
+                                                     "stream": False}, timeout=60).json()
+    assert raw["message"]["content"] == whole.message.content
+    timings = raw["timings"]
+    assert timings["completion_tokens"] == raw["eval_count"] and timings["ttft_ms"] > 0 and "queue_ms" in timings
+    assert timings["cached_tokens"] == raw["prompt_eval_count"] - 1  # the same prompt again
+
+    parts = list(oll.chat(model=MODEL, messages=QUESTION, options=options, stream=True))
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert [p.done for p in parts].count(True) == 1 and parts[-1].done and parts[-1].eval_count == whole.eval_count
+
+
+def test_ollama_generate(oll):
+    options = {"temperature": 0, "num_predict": 12}
+    r = oll.generate(model=MODEL, prompt="Name a fruit.", options=options)
+    assert r.response and r.done and r.context and r.prompt_eval_count < len(r.context)
+    raw = oll.generate(model=MODEL, prompt="The capital of France is", raw=True, options=options)
+    streamed = "".join(p.response for p in oll.generate(model=MODEL, prompt="The capital of France is", raw=True,
+                                                         options=options, stream=True))
+    assert raw.response == streamed
+
+
+def test_ollama_format_schema_validates(oll):
+    r = oll.chat(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], format=PERSON,
+                 options={"temperature": 0, "num_predict": 80})
+    assert r.done_reason == "stop"
+    jsonschema.validate(json.loads(r.message.content), PERSON)
+    r = oll.generate(model=MODEL, prompt="Give me a JSON object.", format="json", options={"temperature": 0, "num_predict": 60})
+    assert r.response.startswith("{")
+
+
+def test_ollama_tool_history_round_trip(oll):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_name": "get_weather", "content": "sunny, 24 C"}]
+    r = oll.chat(model=MODEL, messages=messages, tools=[WEATHER_TOOL], options={"temperature": 0, "num_predict": 24})
+    assert r.done and (r.message.content or r.message.tool_calls)
+    parts = list(oll.chat(model=MODEL, messages=messages, tools=[WEATHER_TOOL], stream=True,
+                          options={"temperature": 0, "num_predict": 24}))
+    assert parts[-1].done
+
+
+def test_ollama_models(oll, server, smollm2_path):
+    from kiln.store import Store
+
+    listed = {m.model: m for m in oll.list().models}
+    assert listed[MODEL].details.family == "llama" and listed[MODEL].size > 0 and listed[MODEL].digest
+    shown = oll.show(MODEL)
+    assert "tools" in shown.capabilities and "<|im_start|>" in shown.template
+    assert shown.modelinfo["llama.context_length"] == 8192 and "temperature" in shown.parameters
+    (running,) = oll.ps().models
+    assert running.model == MODEL and running.context_length == CTX
+    statuses = [p.status for p in oll.pull(MODEL, stream=True)]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    assert oll.pull(MODEL).status == "success"
+    with pytest.raises(ollama.ResponseError, match="not-a-model"):
+        list(oll.pull("not-a-model:1b", stream=True))
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+
+    Store(home=TEST_HOME).pull(str(smollm2_path), name="kiln-delete-me", progress=False)
+    assert "kiln-delete-me:latest" in {m.model for m in oll.list().models}
+    assert oll.delete("kiln-delete-me").status == "success"
+    assert "kiln-delete-me:latest" not in {m.model for m in oll.list().models}
+    assert MODEL in {m.model for m in oll.list().models}  # the shared blob stays
+    with pytest.raises(ollama.ResponseError) as missing:
+        oll.delete("kiln-delete-me")
+    assert missing.value.status_code == 404
+
+
+# --- errors --------------------------------------------------------------------------------------------
+def test_bad_requests_name_the_field(server, oai):
+    post = lambda path, **kw: httpx.post(f"{server.url}{path}", timeout=60, **kw)  # noqa: E731
+    body = {"model": MODEL, "messages": QUESTION}
+
+    r = post("/v1/chat/completions", content=b'{"model": "smollm2:135m", "messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body" and "JSON" in r.json()["error"]["message"]
+    r = post("/api/chat", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+
+    r = post("/v1/chat/completions", json={**body, "messages": "hello"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post("/v1/chat/completions", json={**body, "temperature": "warm"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "temperature" in r.json()["error"]["message"]
+    r = post("/api/chat", json={**body, "options": {"top_k": "many"}})
+    assert r.status_code == 400 and "options.top_k" in r.json()["error"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, max_tokens=-1)
+    assert e.value.param == "max_tokens" and "max_tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert e.value.param == "tool_choice" and "get_time" in e.value.message
+
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(oai, model="no-such-model:7b")
+    assert e.value.code == "model_not_found" and e.value.param == "model" and "no-such-model" in e.value.message
+    with pytest.raises(ollama.ResponseError) as missing:
+        ollama.Client(host=server.url).chat(model="no-such-model:7b", messages=QUESTION)
+    assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
+
+    long_prompt = [{"role": "user", "content": "word " * (CTX + 100)}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, messages=long_prompt)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages" and str(CTX) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, max_tokens=CTX)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    r = post("/api/generate", json={"model": MODEL, "prompt": "word " * (CTX + 100), "stream": False})
+    assert r.status_code == 400 and "context" in r.json()["error"]
+
+
+# --- serving behaviour -----------------------------------------------------------------------------------
+def test_prompt_cache_reuses_history(oai, server):
+    nonce = uuid.uuid4().hex  # no earlier request shares this history
+    history = [{"role": "system", "content": f"Session {nonce}. You are a terse assistant."}]
+    for i in range(6):
+        history += [{"role": "user", "content": f"Tell me fact number {i} about the sea."},
+                    {"role": "assistant", "content": f"Fact {i}: the sea covers most of the planet and holds many fish."}]
+    history.append({"role": "user", "content": "And one more?"})
+    cached_before = server.metric("kiln_prompt_cached_tokens_total")
+    first = chat(oai, messages=history, max_tokens=4)
+    second = chat(oai, messages=history, max_tokens=4)
+    prompt = first.usage.prompt_tokens
+    assert prompt > 150
+    assert first.usage.prompt_tokens_details.cached_tokens < 40  # at most the template's fixed opening
+    assert second.usage.prompt_tokens_details.cached_tokens == prompt - 1  # all but the last token
+    assert second.timings["ttft_ms"] < first.timings["ttft_ms"]
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert server.metric("kiln_prompt_cached_tokens_total") - cached_before >= prompt - 1
+
+
+def test_concurrent_streams_all_complete(server):
+    import asyncio
+
+    async def one(client, i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i + 3}."}], "max_tokens": 16,
+                "stream": True, "temperature": 0}
+        text, finish = "", None
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["delta"].get("content") or ""
+                    finish = choice["finish_reason"] or finish
+        return text, finish
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))  # 4 slots: two wait in the queue
+
+    results = asyncio.run(main())
+    assert all(text and finish in ("stop", "length") for text, finish in results)
+    assert wait_for(lambda: server.metric("kiln_requests_running") == 0)
+
+
+def test_disconnect_cancels_and_frees_the_slot(server):
+    cancelled = server.metric("kiln_requests_total", 'finish_reason="cancelled"')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 800,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert server.metric("kiln_requests_running") == 1
+    assert wait_for(lambda: server.metric("kiln_requests_running") == 0, timeout=10)
+    assert wait_for(lambda: server.metric("kiln_requests_total", 'finish_reason="cancelled"') == cancelled + 1)
+
+
+def test_health_metrics_and_openapi(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("kiln_prompt_tokens_total", "kiln_generated_tokens_total", "kiln_time_to_first_token_seconds_bucket",
+                 "kiln_queue_wait_seconds_bucket", "kiln_request_duration_seconds_bucket", "kiln_requests_running",
+                 "kiln_requests_waiting", "kiln_kv_cache_usage_ratio"):
+        assert name in text
+    assert server.metric("kiln_generated_tokens_total") > 0
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    request = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_tokens", "response_format", "tools", "tool_choice", "stream"} <= set(request)
+
+
+def test_another_model_swaps_in_once_running_requests_finish(oll, server, gemma3_path):
+    import threading
+
+    parts = []
+    stream = threading.Thread(target=lambda: parts.extend(oll.chat(
+        model=MODEL, messages=QUESTION, stream=True, options={"temperature": 0, "num_predict": 40})))
+    stream.start()
+    assert wait_for(lambda: server.metric("kiln_requests_running") == 1)
+    other = ollama.Client(host=server.url, timeout=120).generate(
+        model="gemma3:270m", prompt="The capital of France is", raw=True, options={"num_predict": 3})
+    stream.join()
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length")  # the swap waited for it
+    assert other.response and other.load_duration > 0
+    assert [m.model for m in oll.ps().models] == ["gemma3:270m"]
+
+
+def test_keep_alive_zero_unloads_then_reloads(oll):
+    r = oll.generate(model=MODEL, prompt="Hi", options={"num_predict": 2}, keep_alive=0)
+    assert r.done
+    assert wait_for(lambda: not oll.ps().models, timeout=10)
+    loaded = oll.generate(model=MODEL, keep_alive="10m")  # an empty prompt just loads
+    assert loaded.done_reason == "load"
+    (running,) = oll.ps().models
+    assert running.expires_at.timestamp() > time.time() + 500
