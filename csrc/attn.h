@@ -1,12 +1,17 @@
 /* Attention of a group of query heads sharing one KV head, over an fp16 KV cache. */
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
-/* q: group × hd floats; K, V: n positions of hd fp16 values, `stride` values apart; out: group × hd
- * (negated when `negate`, a debug switch). scratch: at least group * (n + hd) + hd floats. */
-void kiln_attend(const float *q, int group, int hd, const uint16_t *K, const uint16_t *V, int stride, int n,
-                 float scale, float *scratch, float *out, int negate);
+/* Attention of `rows` consecutive positions pos0.. of one sequence, for the `group` query heads that
+ * share one KV head. q: row i, head g at q[i*q_stride + g*hd]; K, V: this head's cache, hd values per
+ * position; keys first..pos are visible to position pos (and within `window` when it is > 0); out
+ * like q, with out_stride (negated when `negate`, a debug switch). */
+void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
+                 int first, int pos0, int window, float scale, float *scratch, float *out, int out_stride, int negate);
+
+/* Floats of scratch kiln_attend needs for rows * group queries. */
+size_t kiln_attend_scratch(int n_queries, int hd);
 
 /* fp32 → fp16 with round-to-nearest-even (the KV cache's storage format). */
 void kiln_store_half(const float *x, uint16_t *dst, int n);
-void kiln_load_half(const uint16_t *src, float *x, int n);

@@ -9,6 +9,27 @@
 
 #include "attn.h"
 #include "dequant.h"
+#include "vecmath.h"
+
+#if defined(KILN_X86)
+/* The tail goes through the same vector math (padded), so a value never depends on where a chunk
+ * boundary falls — results stay identical for any thread count. */
+AVX2 static __m256 glu8(int kind, __m256 g, __m256 u) {
+    return _mm256_mul_ps(kind == ACT_SILU ? silu256(g) : gelu_tanh256(g), u);
+}
+
+AVX2 static void glu_row_avx2(int kind, const float *g, const float *u, float *out, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, glu8(kind, _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        memcpy(gt, g + i, sizeof(float) * (n - i));
+        memcpy(ut, u + i, sizeof(float) * (n - i));
+        _mm256_storeu_ps(ot, glu8(kind, _mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(out + i, ot, sizeof(float) * (n - i));
+    }
+}
+#endif
 
 /* A chunk function's context lives in the plan, not on the stack: a late worker may read it after
  * the op that launched it has returned. */
@@ -37,6 +58,17 @@ static void rope(float *x, const kiln_rope *r, int pos) {
 static float activate(int kind, float x) {
     if (kind == ACT_SILU) return x / (1.0f + expf(-x));
     return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+}
+
+/* out[i] = act(g[i]) * u[i]; the activation's exp is the only transcendental on the prefill path */
+static void glu_row(int kind, const float *g, const float *u, float *out, int n) {
+#if defined(KILN_X86)
+    if (kiln_active_isa() >= ISA_AVX2) {
+        glu_row_avx2(kind, g, u, out, n);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) out[i] = activate(kind, g[i]) * u[i];
 }
 
 static void quantize_all(const kiln_op *op, const float *x, int n) {
@@ -94,13 +126,28 @@ static void attn_chunk(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int KV = op->n_kv_heads, t = c / KV, g = c % KV;
+    int KV = op->n_kv_heads, b = c / KV, g = c % KV;
+    int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
     int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
-    int pos = p->positions[t], lo = op->window > 0 && pos - op->window + 1 > 0 ? pos - op->window + 1 : 0;
-    size_t base = kv_offset(p, op, p->slots[t], g, lo);
-    float *out = op->out + (size_t)t * q_dim + (size_t)g * group * hd;
-    kiln_attend(op->q + (size_t)t * q_dim + (size_t)g * group * hd, group, hd, op->k_cache + base,
-                op->v_cache + base, hd, pos - lo + 1, op->scale, scratch(p, thread), out, op->negate);
+    int pos0 = p->positions[t0], first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
+    size_t base = kv_offset(p, op, p->slots[t0], g, 0), at = (size_t)t0 * q_dim + (size_t)g * group * hd;
+    kiln_attend(op->q + at, rows, group, hd, q_dim, op->k_cache + base, op->v_cache + base, first, pos0, op->window,
+                op->scale, scratch(p, thread), op->out + at, q_dim, op->negate);
+}
+
+/* Split rows into blocks of one slot at consecutive positions, at most ATTN_BLOCK long. */
+static int attention_blocks(kiln_plan *p, int n_rows) {
+    int n = 0;
+    for (int t = 0; t < n_rows;) {
+        int len = 1;
+        while (t + len < n_rows && len < ATTN_BLOCK && p->slots[t + len] == p->slots[t] &&
+               p->positions[t + len] == p->positions[t] + len)
+            len++;
+        p->blocks[2 * n] = t, p->blocks[2 * n + 1] = len;
+        n++;
+        t += len;
+    }
+    return n;
 }
 
 static void matmul_chunk(void *ctx, int c, int thread) {
@@ -135,7 +182,7 @@ static void glu_chunk(void *ctx, int c, int thread) {
     for (int t = 0; t < j->n_rows; t++) {
         float *out = op->out + (size_t)t * op->rows + r0;
         const float *gt = g + (size_t)t * n, *ut = u + (size_t)t * n;
-        for (int i = 0; i < n; i++) out[i] = activate(op->glu_act, gt[i]) * ut[i];
+        glu_row(op->glu_act, gt, ut, out, n);
     }
 }
 
@@ -178,7 +225,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     }
     case OP_QUANT: quantize_all(op, op->in, n_rows); return 0;
     case OP_QKV: return kiln_pool_run(p->pool, qkv_chunk, j, op->n_heads + 2 * op->n_kv_heads, st);
-    case OP_ATTN: return kiln_pool_run(p->pool, attn_chunk, j, n_rows * op->n_kv_heads, st);
+    case OP_ATTN: return kiln_pool_run(p->pool, attn_chunk, j, p->n_blocks * op->n_kv_heads, st);
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_chunk, j, chunks_of(op), st);
     case OP_GLU: return kiln_pool_run(p->pool, glu_chunk, j, chunks_of(op), st);
     case OP_LOGITS: return kiln_pool_run(p->pool, logits_chunk, j, chunks_of(op), st);
@@ -196,6 +243,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
 
 int64_t kiln_plan_run(kiln_plan *p, int n_rows, int n_out) {
     int64_t wait_total = 0;
+    p->n_blocks = attention_blocks(p, n_rows);
     for (int i = 0; i < p->n_ops; i++) {
         if (!p->trace) {
             wait_total += run_op(p, i, n_rows, n_out);
@@ -203,7 +251,9 @@ int64_t kiln_plan_run(kiln_plan *p, int n_rows, int n_out) {
         }
         int64_t t0 = kiln_now_ns();
         int64_t wait = run_op(p, i, n_rows, n_out);
-        p->op_ns[i] += kiln_now_ns() - t0;
+        int64_t t1 = kiln_now_ns();
+        p->op_t0_ns[i] = t0, p->op_t1_ns[i] = t1;
+        p->op_ns[i] += t1 - t0;
         p->op_wait_ns[i] += wait;
         wait_total += wait;
     }

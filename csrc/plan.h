@@ -26,6 +26,7 @@ enum {
 enum { ACT_SILU, ACT_GELU_TANH };
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
+#define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
 
 typedef struct {
     const float *weight; /* NULL: no norm */
@@ -95,6 +96,8 @@ struct kiln_plan {
     int stealable;        /* buffers are single-assignment within a step (see pool.h) */
     /* per-row inputs, written by the caller before each run */
     int32_t *tokens, *slots, *positions, *row_sel;
+    int32_t *blocks; /* attention: (first row, rows) of each run of one sequence, set at each run */
+    int n_blocks;
     float *logits;        /* [max_rows][vocab] */
     int vocab;
     kiln_pool *pool;
@@ -104,6 +107,7 @@ struct kiln_plan {
     int trace;
     int64_t *op_ns, *op_wait_ns;
     int64_t runs;
+    int64_t *op_t0_ns, *op_t1_ns; /* start and end of each op in the last traced run (kiln_now_ns) */
 };
 
 /* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. */

@@ -252,9 +252,12 @@ typedef struct {
 static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.ops);
     PyMem_Free(p->plan.jobs);
+    PyMem_Free(p->plan.blocks);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_ns);
     PyMem_Free(p->plan.op_wait_ns);
+    PyMem_Free(p->plan.op_t0_ns);
+    PyMem_Free(p->plan.op_t1_ns);
     Py_XDECREF(p->pool);
     Py_XDECREF(p->keep);
     Py_TYPE(p)->tp_free((PyObject *)p);
@@ -282,13 +285,17 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->n_ops = (int)(ops.len / sizeof(kiln_op));
     k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
     k->jobs = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(kiln_job));
+    k->blocks = PyMem_Calloc(2 * (size_t)rows + 2, sizeof(int32_t));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
     k->scratch_floats = (size_t)scratch_floats;
     k->scratch = PyMem_Calloc((size_t)threads * (size_t)scratch_floats + 1, sizeof(float));
     k->op_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->scratch || !k->op_ns || !k->op_wait_ns) {
+    k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
+    k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
+    if (!k->ops || !k->jobs || !k->blocks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
+        !k->op_t1_ns) {
         PyBuffer_Release(&ops);
         Py_DECREF(p);
         return PyErr_NoMemory();
@@ -358,10 +365,19 @@ static PyObject *plan_trace(Plan *p, PyObject *noargs) {
                          (long long)p->plan.runs);
 }
 
+/* timeline() -> (op start ns bytes, op end ns bytes) of the last traced run, on kiln_now_ns's clock
+ * (CLOCK_MONOTONIC, which is Python's time.monotonic_ns) */
+static PyObject *plan_timeline(Plan *p, PyObject *noargs) {
+    (void)noargs;
+    size_t n = sizeof(int64_t) * (size_t)p->plan.n_ops;
+    return Py_BuildValue("(y#y#)", (char *)p->plan.op_t0_ns, (Py_ssize_t)n, (char *)p->plan.op_t1_ns, (Py_ssize_t)n);
+}
+
 static PyMethodDef plan_methods[] = {
     {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out, min_epoch) -> (ns, ns waited)"},
     {"set_trace", (PyCFunction)plan_set_trace, METH_VARARGS, "switch per-op timing on or off (and reset it)"},
     {"trace", (PyCFunction)plan_trace, METH_NOARGS, "per-op (ns, wait ns) totals and the run count"},
+    {"timeline", (PyCFunction)plan_timeline, METH_NOARGS, "per-op (start ns, end ns) of the last traced run"},
     {NULL}};
 
 static PyObject *plan_n_ops(Plan *p, void *c) { (void)c; return PyLong_FromLong(p->plan.n_ops); }
@@ -427,7 +443,15 @@ static PyObject *py_store_half(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *py_attend_scratch(PyObject *self, PyObject *args) {
+    (void)self;
+    int n_queries, hd;
+    if (!PyArg_ParseTuple(args, "ii", &n_queries, &hd)) return NULL;
+    return PyLong_FromSize_t(kiln_attend_scratch(n_queries, hd));
+}
+
 PyMethodDef plan_module_methods[] = {
+    {"attend_scratch", py_attend_scratch, METH_VARARGS, "attend_scratch(n_queries, head_dim) -> floats"},
     {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
     {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml_type, src, n) -> float32 bytes"},
@@ -447,6 +471,7 @@ int kiln_plan_add_types(PyObject *module) {
         {"OP_EMBED", OP_EMBED}, {"OP_NORM_QUANT", OP_NORM_QUANT}, {"OP_QUANT", OP_QUANT}, {"OP_QKV", OP_QKV},
         {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
         {"OP_LOGITS", OP_LOGITS}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
+        {"ATTN_BLOCK", ATTN_BLOCK},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

@@ -44,7 +44,9 @@ class Stats:
     tokens: int = 0
     statuses: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
-    ttft_ms: list = field(default_factory=list)
+    ttft_ms: list = field(default_factory=list)  # as the client sees it: queue wait included
+    queue_ms: list = field(default_factory=list)  # the server's timings
+    server_ttft_ms: list = field(default_factory=list)
 
     def fail(self, message: str) -> None:
         if len(self.failures) < 50:
@@ -89,7 +91,7 @@ async def stream_once(client: httpx.AsyncClient, args, stats: Stats, max_tokens:
             error = json.loads(await r.aread()).get("error", {})
             if r.status_code == 503 and error.get("code") == "queue_full":
                 stats.queue_full += 1
-                await asyncio.sleep(random.uniform(0.05, 0.3))
+                await asyncio.sleep(float(r.headers.get("retry-after", 1)) * random.uniform(0.5, 1.5))
             elif r.status_code >= 500:
                 stats.fail(f"HTTP {r.status_code}: {error}")
             else:
@@ -119,6 +121,8 @@ async def stream_once(client: httpx.AsyncClient, args, stats: Stats, max_tokens:
     stats.completed += 1
     if first is not None:
         stats.ttft_ms.append((first - t0) * 1e3)
+    stats.queue_ms.append(chunks[-1]["timings"]["queue_ms"])
+    stats.server_ttft_ms.append(chunks[-1]["timings"]["ttft_ms"])
     tokens = chunks[-1]["usage"]["completion_tokens"]
     stats.tokens += tokens
     return tokens
@@ -184,6 +188,11 @@ async def gauge(client: httpx.AsyncClient, name: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
+def percentile(values: list, p: float) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[min(int(len(ordered) * p / 100), len(ordered) - 1)], 1) if ordered else None
+
+
 async def main(args) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.clients, args.ratio_clients) + 4)
@@ -208,17 +217,17 @@ async def main(args) -> int:
                 for failure in run["failures"]:
                     stats.fail(f"throughput run with {run['clients']} clients: {failure}")
             ratio = {"one": one, "many": many, "ratio": round(many["tok_per_s"] / one["tok_per_s"], 2) if one["tok_per_s"] else None}
-    ttft = sorted(stats.ttft_ms)
-    summary = {k: v for k, v in asdict(stats).items() if k != "ttft_ms"}
-    result = {"stress": {**summary, "seconds": round(stress_seconds, 1),
-                         "ttft_ms_p50": round(ttft[len(ttft) // 2], 1) if ttft else None,
-                         "ttft_ms_p95": round(ttft[int(len(ttft) * 0.95)], 1) if ttft else None,
-                         "tok_per_s": round(stats.tokens / stress_seconds, 2)},
+    samples = ("ttft_ms", "queue_ms", "server_ttft_ms")
+    summary = {k: v for k, v in asdict(stats).items() if k not in samples}
+    for name in samples:
+        summary[f"{name}_p50"], summary[f"{name}_p95"] = percentile(getattr(stats, name), 50), percentile(getattr(stats, name), 95)
+    result = {"stress": {**summary, "seconds": round(stress_seconds, 1), "tok_per_s": round(stats.tokens / stress_seconds, 2)},
               "throughput": ratio, "ok": not stats.failures}
     s = result["stress"]
     print(f"stress: {s['started']} requests, {s['completed']} completed, {s['disconnected']} dropped by the client, "
           f"{s['queue_full']} queue-full 503s, statuses {s['statuses']}, {s['tokens']} tokens "
-          f"({s['tok_per_s']} tok/s), TTFT p50 {s['ttft_ms_p50']} ms p95 {s['ttft_ms_p95']} ms")
+          f"({s['tok_per_s']} tok/s); p50/p95: client TTFT {s['ttft_ms_p50']}/{s['ttft_ms_p95']} ms, server queue wait "
+          f"{s['queue_ms_p50']}/{s['queue_ms_p95']} ms, server TTFT {s['server_ttft_ms_p50']}/{s['server_ttft_ms_p95']} ms")
     if ratio:
         print(f"throughput: 1 client {ratio['one']['tok_per_s']} tok/s, {ratio['many']['clients']} clients "
               f"{ratio['many']['tok_per_s']} tok/s, ratio {ratio['ratio']}")

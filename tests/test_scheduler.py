@@ -156,11 +156,14 @@ def test_prompt_cache_picks_the_slot_with_the_longest_prefix():
 def test_cancel_frees_the_slot_at_the_next_step():
     engine = ScriptedEngine()
     s = Scheduler(engine, n_slots=1, max_queue=4)
-    a, b = Client([1, 2], max_tokens=50), Client([3], max_tokens=2)
-    s.submit(a.request)
-    s.submit(b.request)
+    a, b, c = Client([1, 2], max_tokens=50), Client([3], max_tokens=2), Client([4], max_tokens=2)
+    for client in (a, b, c):
+        s.submit(client.request)
     run_steps(s, 3)
-    assert b.request in s.waiting  # one slot, held by a
+    assert list(s.waiting) == [b.request, c.request]  # one slot, held by a
+    s.cancel(c.request)  # a client that gives up while queued
+    run_steps(s, 1)
+    assert list(s.waiting) == [b.request] and c.seq.finish_reason == "cancelled" and c.finished is not None
     s.cancel(a.request)
     run_steps(s, 1)
     assert a.finished is not None and a.finished.error is None and a.seq.finish_reason == "cancelled"

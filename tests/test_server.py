@@ -167,6 +167,21 @@ def test_openai_tool_call_round_trip_streaming(oai):
     assert text
 
 
+def test_a_broken_tool_call_is_reported_not_passed_on(oai):
+    # A stop string cuts the forced call short, leaving invalid JSON inside <tool_call>.
+    r = chat(oai, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+             tool_choice="required", stop=['"city"'], max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "invalid_tool_call" and not choice.message.tool_calls
+    assert "not valid JSON" in choice.model_extra["tool_call_error"]
+    assert choice.message.content.startswith("<tool_call>")  # what the model wrote, as text
+    chunks = list(chat(oai, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+                       tool_choice="required", max_tokens=8, stream=True))
+    final = chunks[-1].choices[0]
+    assert final.finish_reason == "length" and "tool_call_error" in final.model_extra
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+
+
 # --- Ollama ------------------------------------------------------------------------------------------
 def test_ollama_chat_stream_matches_non_stream(oll, server):
     options = {"temperature": 0, "num_predict": 24}

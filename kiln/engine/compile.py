@@ -265,7 +265,7 @@ class Lowering:
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
-        self._scratch(group * (self.n_ctx + hd) + hd)
+        self._scratch(self.n.attend_scratch(self.n.ATTN_BLOCK * group, hd))
         self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
         return out

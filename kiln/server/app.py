@@ -16,6 +16,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -48,6 +49,7 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan,
                   description="A local LLM runtime: OpenAI- and Ollama-compatible APIs over continuous batching.")
     app.state.runtime = runtime
+    app.openapi = lambda: _openapi(app)
     _install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(ollama.router)
@@ -72,6 +74,16 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     if cors:  # added last, so it is outermost: preflight requests carry no API key
         app.add_middleware(CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's spec, less the 422 it lists for invalid bodies: kiln answers those 400, as OpenAI and Ollama do."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _preload(runtime: Runtime, name: str, on_fatal) -> None:

@@ -373,6 +373,8 @@ async def _pull_lines(runtime: Runtime, tag: str):
                 if completed and entry is not None:
                     yield {"status": f"pulling {entry.sha256[:12]}", "digest": f"sha256:{entry.sha256}",
                            "total": entry.size, "completed": min(completed, entry.size)}
+                elif completed:  # an alias such as name:latest: the size is known only once it resolves
+                    yield {"status": f"pulling {tag}", "completed": completed}
             record = task.result()
     except (KilnError, OSError) as e:
         yield {"error": str(e) if isinstance(e, KilnError) else f"pull failed: {e}"}

@@ -248,8 +248,7 @@ def prepare(model, job: Job) -> tuple[Sequence, ToolCallParser | None]:
 
     tok = model.tokenizer
     use_tools = bool(job.tools) and job.tool_choice != "none"
-    if use_tools or job.tool_choice != "auto":
-        toolcalls.check_tool_choice(job.tools, job.tool_choice)
+    toolcalls.check_tool_choice(job.tools, job.tool_choice)
     if job.messages is not None:
         messages, template_tools = toolcalls.render_messages(job.messages, job.tools if use_tools else None,
                                                              tok.chat_template, job.tool_choice)
