@@ -1,7 +1,10 @@
-/* Attention over the fp16 KV cache, flash-attention style: keys and values are taken in tiles,
- * converted to fp32 once per tile and shared by every query of the block (the heads of a GQA group
- * times consecutive rows of one sequence in prefill), with a running max and sum per query so the
- * scores of a whole context never need to be stored. */
+/* Attention over the fp16 KV cache, flash-attention style: keys and values are taken in tiles shared
+ * by every query of a block (the heads of a GQA group times consecutive rows of one sequence in
+ * prefill), with a running max and sum per query so a whole context's scores are never stored.
+ *
+ * Keys are stored transposed in groups of 8 positions ([position/8][dim][8]), so 8 keys' values of one
+ * dimension are one 16-byte load: scores are broadcast-FMAs with no horizontal sums and no staging.
+ * Values are stored by position ([position][dim]) for the probability-weighted sum. */
 #include "attn.h"
 
 #include <math.h>
@@ -11,42 +14,33 @@
 #include "kernels.h"
 #include "vecmath.h"
 
-#if defined(KILN_X86)
-#include <immintrin.h>
-#endif
-
-#define TILE 64 /* keys per tile */
+#define TILE 64 /* keys per tile, a multiple of KEY_GROUP */
 
 typedef struct {
-    void (*load)(const uint16_t *src, float *x, int n);
-    /* s[r * TILE + j] = dot(q[r], k[j]) for r < nq, j < nk; kt is hd × TILE (transposed keys) */
-    void (*scores)(const float *q, int nq, int hd, const float *kt, int nk, float *s);
-    /* o[r] += sum_j p[r * TILE + j] * v[j], for r < nq; v is nk × hd */
-    void (*accumulate)(const float *p, int nq, int nk, const float *v, int hd, float *o);
+    /* s[r * TILE + j] = dot(q[r], key j) for r < nq, j < nk (nk a multiple of KEY_GROUP); kg points at
+     * the first key's group */
+    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s);
+    /* o[r] += sum_j p[r * TILE + j] * v[j] for r < nq */
+    void (*accumulate)(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o);
     void (*exp_row)(float *x, int n, float shift); /* x[i] = exp(x[i] - shift) */
 } attn_kernels;
 
 /* ---- portable reference ---- */
 
-static void load_generic(const uint16_t *src, float *x, int n) {
-    for (int i = 0; i < n; i++) x[i] = kiln_half_to_float(src[i]);
-}
-
-static void scores_generic(const float *q, int nq, int hd, const float *kt, int nk, float *s) {
+static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s) {
     for (int r = 0; r < nq; r++)
         for (int j = 0; j < nk; j++) {
             float acc = 0.0f;
-            for (int d = 0; d < hd; d++) acc += q[r * hd + d] * kt[d * TILE + j];
+            for (int d = 0; d < hd; d++) acc += q[r * hd + d] * kiln_half_to_float(kg[kiln_key_index(j, d, hd)]);
             s[r * TILE + j] = acc;
         }
 }
 
-static void accumulate_generic(const float *p, int nq, int nk, const float *v, int hd, float *o) {
-    for (int r = 0; r < nq; r++)
-        for (int j = 0; j < nk; j++) {
-            float w = p[r * TILE + j];
-            if (w != 0.0f)
-                for (int d = 0; d < hd; d++) o[r * hd + d] += w * v[j * hd + d];
+static void accumulate_generic(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o) {
+    for (int j = 0; j < nk; j++)
+        for (int d = 0; d < hd; d++) {
+            float x = kiln_half_to_float(v[(size_t)j * hd + d]);
+            for (int r = 0; r < nq; r++) o[r * hd + d] += p[r * TILE + j] * x;
         }
 }
 
@@ -54,58 +48,71 @@ static void exp_generic(float *x, int n, float shift) {
     for (int i = 0; i < n; i++) x[i] = expf(x[i] - shift);
 }
 
-static const attn_kernels GENERIC = {load_generic, scores_generic, accumulate_generic, exp_generic};
+static const attn_kernels GENERIC = {scores_generic, accumulate_generic, exp_generic};
 
 /* ---- AVX2 ---- */
 #if defined(KILN_X86)
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-AVX2 static void load_avx2(const uint16_t *src, float *x, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) x[i] = kiln_half_to_float(src[i]);
+static inline __attribute__((target("avx2,fma,f16c"))) __m256 load8h(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* 4 queries × 16 keys per inner step: per dimension, 2 key loads and 4 broadcasts feed 8 FMAs. */
-AVX2 static void scores_avx2(const float *q, int nq, int hd, const float *kt, int nk, float *s) {
-    int r = 0;
-    for (; r + 4 <= nq; r += 4) {
-        for (int j = 0; j < nk; j += 16) {
+AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s) {
+    const size_t group = (size_t)hd * KEY_GROUP;
+    int j = 0;
+    for (; j + 16 <= nk; j += 16) {
+        const uint16_t *k0 = kg + (j / KEY_GROUP) * group, *k1 = k0 + group;
+        int r = 0;
+        for (; r + 4 <= nq; r += 4) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            const float *q0 = q + r * hd;
             for (int d = 0; d < hd; d++) {
-                __m256 k0 = _mm256_loadu_ps(kt + d * TILE + j), k1 = _mm256_loadu_ps(kt + d * TILE + j + 8);
-                __m256 q0 = _mm256_broadcast_ss(q + (r + 0) * hd + d), q1 = _mm256_broadcast_ss(q + (r + 1) * hd + d);
-                __m256 q2 = _mm256_broadcast_ss(q + (r + 2) * hd + d), q3 = _mm256_broadcast_ss(q + (r + 3) * hd + d);
-                a0 = _mm256_fmadd_ps(q0, k0, a0), b0 = _mm256_fmadd_ps(q0, k1, b0);
-                a1 = _mm256_fmadd_ps(q1, k0, a1), b1 = _mm256_fmadd_ps(q1, k1, b1);
-                a2 = _mm256_fmadd_ps(q2, k0, a2), b2 = _mm256_fmadd_ps(q2, k1, b2);
-                a3 = _mm256_fmadd_ps(q3, k0, a3), b3 = _mm256_fmadd_ps(q3, k1, b3);
+                __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
+                __m256 c0 = _mm256_broadcast_ss(q0 + d), c1 = _mm256_broadcast_ss(q0 + hd + d);
+                __m256 c2 = _mm256_broadcast_ss(q0 + 2 * hd + d), c3 = _mm256_broadcast_ss(q0 + 3 * hd + d);
+                a0 = _mm256_fmadd_ps(c0, x0, a0), b0 = _mm256_fmadd_ps(c0, x1, b0);
+                a1 = _mm256_fmadd_ps(c1, x0, a1), b1 = _mm256_fmadd_ps(c1, x1, b1);
+                a2 = _mm256_fmadd_ps(c2, x0, a2), b2 = _mm256_fmadd_ps(c2, x1, b2);
+                a3 = _mm256_fmadd_ps(c3, x0, a3), b3 = _mm256_fmadd_ps(c3, x1, b3);
             }
-            _mm256_storeu_ps(s + (r + 0) * TILE + j, a0), _mm256_storeu_ps(s + (r + 0) * TILE + j + 8, b0);
-            _mm256_storeu_ps(s + (r + 1) * TILE + j, a1), _mm256_storeu_ps(s + (r + 1) * TILE + j + 8, b1);
-            _mm256_storeu_ps(s + (r + 2) * TILE + j, a2), _mm256_storeu_ps(s + (r + 2) * TILE + j + 8, b2);
-            _mm256_storeu_ps(s + (r + 3) * TILE + j, a3), _mm256_storeu_ps(s + (r + 3) * TILE + j + 8, b3);
+            float *sr = s + r * TILE + j;
+            _mm256_storeu_ps(sr, a0), _mm256_storeu_ps(sr + 8, b0);
+            _mm256_storeu_ps(sr + TILE, a1), _mm256_storeu_ps(sr + TILE + 8, b1);
+            _mm256_storeu_ps(sr + 2 * TILE, a2), _mm256_storeu_ps(sr + 2 * TILE + 8, b2);
+            _mm256_storeu_ps(sr + 3 * TILE, a3), _mm256_storeu_ps(sr + 3 * TILE + 8, b3);
+        }
+        for (; r < nq; r++) {
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
+            for (int d = 0; d < hd; d++) {
+                __m256 c = _mm256_broadcast_ss(q + r * hd + d);
+                a0 = _mm256_fmadd_ps(c, load8h(k0 + d * KEY_GROUP), a0);
+                b0 = _mm256_fmadd_ps(c, load8h(k1 + d * KEY_GROUP), b0);
+            }
+            _mm256_storeu_ps(s + r * TILE + j, a0), _mm256_storeu_ps(s + r * TILE + j + 8, b0);
         }
     }
-    for (; r < nq; r++)
-        for (int j = 0; j < nk; j += 8) {
+    for (; j < nk; j += KEY_GROUP) {
+        const uint16_t *k0 = kg + (j / KEY_GROUP) * group;
+        for (int r = 0; r < nq; r++) {
             __m256 a = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d++)
-                a = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * hd + d), _mm256_loadu_ps(kt + d * TILE + j), a);
+            for (int d = 0; d < hd; d++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * hd + d), load8h(k0 + d * KEY_GROUP), a);
             _mm256_storeu_ps(s + r * TILE + j, a);
         }
+    }
 }
 
-/* 2 queries × 16 dimensions per inner step; hd is a multiple of 16 on this path. */
-AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const float *v, int hd, float *o) {
-    int r = 0;
-    for (; r + 2 <= nq; r += 2)
-        for (int d = 0; d < hd; d += 16) {
+/* Per key and 16 dimensions, the value is converted once and used by every query; 2 queries per
+ * pass keep the accumulators in registers. hd is a multiple of 16 on this path. */
+AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o) {
+    for (int d = 0; d < hd; d += 16) {
+        int r = 0;
+        for (; r + 2 <= nq; r += 2) {
             float *o0 = o + r * hd + d, *o1 = o0 + hd;
             __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8);
             __m256 b0 = _mm256_loadu_ps(o1), b1 = _mm256_loadu_ps(o1 + 8);
             for (int j = 0; j < nk; j++) {
-                __m256 v0 = _mm256_loadu_ps(v + j * hd + d), v1 = _mm256_loadu_ps(v + j * hd + d + 8);
+                __m256 v0 = load8h(v + (size_t)j * hd + d), v1 = load8h(v + (size_t)j * hd + d + 8);
                 __m256 p0 = _mm256_broadcast_ss(p + r * TILE + j), p1 = _mm256_broadcast_ss(p + (r + 1) * TILE + j);
                 a0 = _mm256_fmadd_ps(p0, v0, a0), a1 = _mm256_fmadd_ps(p0, v1, a1);
                 b0 = _mm256_fmadd_ps(p1, v0, b0), b1 = _mm256_fmadd_ps(p1, v1, b1);
@@ -113,17 +120,17 @@ AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const float *v,
             _mm256_storeu_ps(o0, a0), _mm256_storeu_ps(o0 + 8, a1);
             _mm256_storeu_ps(o1, b0), _mm256_storeu_ps(o1 + 8, b1);
         }
-    for (; r < nq; r++)
-        for (int d = 0; d < hd; d += 16) {
+        for (; r < nq; r++) {
             float *o0 = o + r * hd + d;
             __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8);
             for (int j = 0; j < nk; j++) {
                 __m256 p0 = _mm256_broadcast_ss(p + r * TILE + j);
-                a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + d), a0);
-                a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + d + 8), a1);
+                a0 = _mm256_fmadd_ps(p0, load8h(v + (size_t)j * hd + d), a0);
+                a1 = _mm256_fmadd_ps(p0, load8h(v + (size_t)j * hd + d + 8), a1);
             }
             _mm256_storeu_ps(o0, a0), _mm256_storeu_ps(o0 + 8, a1);
         }
+    }
 }
 
 AVX2 static void exp_avx2(float *x, int n, float shift) {
@@ -140,7 +147,7 @@ AVX2 static void store_avx2(const float *x, uint16_t *dst, int n) {
     for (; i < n; i++) dst[i] = kiln_float_to_half(x[i]);
 }
 
-static const attn_kernels AVX2_KERNELS = {load_avx2, scores_avx2, accumulate_avx2, exp_avx2};
+static const attn_kernels AVX2_KERNELS = {scores_avx2, accumulate_avx2, exp_avx2};
 #endif
 
 static const attn_kernels *kernels_for(int hd) {
@@ -161,44 +168,43 @@ void kiln_store_half(const float *x, uint16_t *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = kiln_float_to_half(x[i]);
 }
 
-size_t kiln_attend_scratch(int n_queries, int hd) {
-    return (size_t)hd * (2 * TILE + 1) + (size_t)n_queries * (TILE + 2 * hd + 2);
+void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
+    uint16_t half[hd];
+    kiln_store_half(x, half, hd);
+    for (int d = 0; d < hd; d++) head_keys[kiln_key_index(pos, d, hd)] = half[d];
 }
+
+size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + 2 * hd + 2); }
 
 void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
                  int first, int pos0, int window, float scale, float *scratch, float *out, int out_stride, int negate) {
     const attn_kernels *k = kernels_for(hd);
     int nq = rows * group, last = pos0 + rows - 1;
-    /* scratch: transposed key tile, value tile, one key row, scores, outputs, running max and sum,
-     * scaled queries */
-    float *kt = scratch, *vf = kt + hd * TILE, *krow = vf + hd * TILE, *s = krow + hd;
-    float *o = s + (size_t)nq * TILE, *m = o + (size_t)nq * hd, *l = m + nq, *qscaled = l + nq;
+    /* scratch: scores, outputs, running max and sum, scaled queries */
+    float *s = scratch, *o = s + (size_t)nq * TILE, *m = o + (size_t)nq * hd, *l = m + nq, *qs = l + nq;
     memset(o, 0, sizeof(float) * (size_t)nq * hd);
     for (int r = 0; r < nq; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows; i++)
         for (int g = 0; g < group; g++)
             for (int d = 0; d < hd; d++)
-                qscaled[(i * group + g) * hd + d] = q[(size_t)i * q_stride + g * hd + d] * scale;
-    for (int j0 = first; j0 <= last; j0 += TILE) {
+                qs[(i * group + g) * hd + d] = q[(size_t)i * q_stride + g * hd + d] * scale;
+    /* tiles start on key-group boundaries; keys before `first` are masked like future ones */
+    for (int j0 = first - first % KEY_GROUP; j0 <= last; j0 += TILE) {
         int nk = last - j0 + 1 < TILE ? last - j0 + 1 : TILE;
-        for (int j = 0; j < nk; j++) {
-            k->load(K + (size_t)(j0 + j) * hd, krow, hd);
-            for (int d = 0; d < hd; d++) kt[d * TILE + j] = krow[d];
-            k->load(V + (size_t)(j0 + j) * hd, vf + (size_t)j * hd, hd);
-        }
-        int nk_pad = (nk + 15) & ~15; /* the SIMD score kernel works on whole groups of 16 keys */
-        for (int j = nk; j < nk_pad; j++)
-            for (int d = 0; d < hd; d++) kt[d * TILE + j] = 0.0f;
-        k->scores(qscaled, nq, hd, kt, nk_pad, s);
+        int nk_groups = (nk + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+        k->scores(qs, nq, hd, K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, nk_groups, s);
         for (int i = 0; i < rows; i++) {
             int pos = pos0 + i, lo = window > 0 && pos - window + 1 > first ? pos - window + 1 : first;
+            int a = lo - j0 > 0 ? lo - j0 : 0, b = pos - j0 + 1 < nk ? pos - j0 + 1 : nk; /* visible [a, b) */
             for (int g = 0; g < group; g++) {
                 int r = i * group + g;
                 float *sr = s + (size_t)r * TILE;
-                int a = lo - j0 > 0 ? lo - j0 : 0, b = pos - j0 + 1 < nk ? pos - j0 + 1 : nk; /* visible [a, b) */
-                for (int j = 0; j < a; j++) sr[j] = 0.0f;
-                for (int j = b > a ? b : a; j < TILE; j++) sr[j] = 0.0f;
-                if (b <= a) continue;
+                if (b <= a) {
+                    memset(sr, 0, sizeof(float) * nk);
+                    continue;
+                }
+                memset(sr, 0, sizeof(float) * a);
+                memset(sr + b, 0, sizeof(float) * (nk - b));
                 float mx = m[r];
                 for (int j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
                 float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
@@ -211,7 +217,7 @@ void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, cons
                     for (int d = 0; d < hd; d++) o[(size_t)r * hd + d] *= corr;
             }
         }
-        k->accumulate(s, nq, nk, vf, hd, o);
+        k->accumulate(s, nq, nk, V + (size_t)j0 * hd, hd, o);
     }
     float sign = negate ? -1.0f : 1.0f;
     for (int i = 0; i < rows; i++)

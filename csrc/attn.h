@@ -4,8 +4,8 @@
 #include <stdint.h>
 
 /* Attention of `rows` consecutive positions pos0.. of one sequence, for the `group` query heads that
- * share one KV head. q: row i, head g at q[i*q_stride + g*hd]; K, V: this head's cache, hd values per
- * position; keys first..pos are visible to position pos (and within `window` when it is > 0); out
+ * share one KV head. q: row i, head g at q[i*q_stride + g*hd]; K: this head's keys (layout below),
+ * V: this head's values, hd per position; keys first..pos are visible to position pos (and within `window` when it is > 0); out
  * like q, with out_stride (negated when `negate`, a debug switch). */
 void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
                  int first, int pos0, int window, float scale, float *scratch, float *out, int out_stride, int negate);
@@ -15,3 +15,11 @@ size_t kiln_attend_scratch(int n_queries, int hd);
 
 /* fp32 → fp16 with round-to-nearest-even (the KV cache's storage format). */
 void kiln_store_half(const float *x, uint16_t *dst, int n);
+
+/* Keys are stored transposed in groups of KEY_GROUP positions: [position / 8][dim][8]. A head's cache
+ * holds a whole number of groups (the context is rounded up to a multiple of KEY_GROUP). */
+#define KEY_GROUP 8
+static inline size_t kiln_key_index(int pos, int d, int hd) {
+    return (size_t)(pos / KEY_GROUP) * hd * KEY_GROUP + (size_t)d * KEY_GROUP + pos % KEY_GROUP;
+}
+void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd);

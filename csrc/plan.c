@@ -82,10 +82,10 @@ static void matmul_rows(const kiln_wmat *w, const void *act, int n_rows, float *
     kiln_matmul(w, act, n_rows, y - r0, r1 - r0, r0 / 4, (r1 + 3) / 4);
 }
 
-/* The KV cache is head-major, [slot][kv head][position][head_dim], so attention streams each head's
- * keys and values contiguously. */
-static size_t kv_offset(const kiln_plan *p, const kiln_op *op, int slot, int head, int pos) {
-    return (((size_t)slot * op->n_kv_heads + head) * p->n_ctx + pos) * op->head_dim;
+/* The KV cache is head-major, [slot][kv head][n_ctx × head_dim], so attention streams each head's keys
+ * and values contiguously (keys in the transposed groups attn.h describes). */
+static size_t head_offset(const kiln_plan *p, const kiln_op *op, int slot, int head) {
+    return ((size_t)slot * op->n_kv_heads + head) * p->n_ctx * op->head_dim;
 }
 
 static void qkv_chunk(void *ctx, int unit, int thread) {
@@ -115,9 +115,10 @@ static void qkv_chunk(void *ctx, int unit, int thread) {
         }
         if (which == 0) {
             memcpy(op->q + (size_t)t * H * hd + r0, row, sizeof(float) * hd);
+        } else if (which == 1) {
+            kiln_store_key(row, op->k_cache + head_offset(p, op, p->slots[t], head), p->positions[t], hd);
         } else {
-            uint16_t *cache = which == 1 ? op->k_cache : op->v_cache;
-            kiln_store_half(row, cache + kv_offset(p, op, p->slots[t], head, p->positions[t]), hd);
+            kiln_store_half(row, op->v_cache + head_offset(p, op, p->slots[t], head) + (size_t)p->positions[t] * hd, hd);
         }
     }
 }
@@ -130,7 +131,7 @@ static void attn_chunk(void *ctx, int c, int thread) {
     int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
     int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
     int pos0 = p->positions[t0], first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
-    size_t base = kv_offset(p, op, p->slots[t0], g, 0), at = (size_t)t0 * q_dim + (size_t)g * group * hd;
+    size_t base = head_offset(p, op, p->slots[t0], g), at = (size_t)t0 * q_dim + (size_t)g * group * hd;
     kiln_attend(op->q + at, rows, group, hd, q_dim, op->k_cache + base, op->v_cache + base, first, pos0, op->window,
                 op->scale, scratch(p, thread), op->out + at, q_dim, op->negate);
 }

@@ -211,7 +211,7 @@ class NativePlan:
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
         self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
-                                 e.ropes, low), rows, e.n_ctx, e.n_slots, int(stealable), low.scratch_floats,
+                                 e.ropes, low), rows, e.kv_ctx, e.n_slots, int(stealable), low.scratch_floats,
                                  *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
 
 
@@ -229,7 +229,9 @@ class NativeEngine:
         root = family.forward(Recorder(), self.config)
         self.weights = PackedWeights(gguf, matrices_of(root), cache_dir)
         cfg = self.config
-        kv_elems = n_slots * n_ctx * cfg.n_kv_heads * cfg.head_dim
+        # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
+        self.kv_ctx = -(-n_ctx // 8) * 8
+        kv_elems = n_slots * self.kv_ctx * cfg.n_kv_heads * cfg.head_dim
         self.kv_arena = _native.Arena(2 * 2 * cfg.n_layers * kv_elems)
         self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16).reshape(cfg.n_layers, 2, kv_elems)
         self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
@@ -274,7 +276,7 @@ class NativeEngine:
     def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         if rope not in self.ropes:
             inv = rope.inv_freq(self.weights.vector)
-            cos, sin = rope_angles(rope, np.arange(self.n_ctx), inv)
+            cos, sin = rope_angles(rope, np.arange(self.kv_ctx), inv)
             self.ropes[rope] = (np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32))
         return self.ropes[rope]
 
@@ -286,6 +288,9 @@ class NativeEngine:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             bad = int(tokens[(tokens < 0) | (tokens >= self.config.vocab_size)][0])
             raise RequestError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size}", param="tokens")
+        positions = np.asarray(positions, dtype=np.int32)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.n_ctx):
+            raise RequestError(f"position {int(positions.max())} is outside the context of {self.n_ctx}", param="positions")
         if n <= self.max_batch:
             plan = self.decode_plans[self._parity]
             self._parity ^= 1
@@ -328,9 +333,12 @@ class NativeEngine:
         return np.concatenate(out)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy KV positions [0, length) — in whole key groups of 8, which only adds positions the
+        destination does not use yet."""
         cfg = self.config
-        kv = self._kv.reshape(cfg.n_layers, 2, self.n_slots, cfg.n_kv_heads, self.n_ctx, cfg.head_dim)
-        kv[:, :, dst, :, :length] = kv[:, :, src, :, :length]
+        kv = self._kv.reshape(cfg.n_layers, 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
+        n = -(-length // 8) * 8 * cfg.head_dim
+        kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
 
     @property
     def ops_per_step(self) -> int:
