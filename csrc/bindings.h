@@ -5,4 +5,5 @@
 
 extern PyMethodDef kernel_methods[];      /* py_kernels.c: packing and matmul kernels */
 extern PyMethodDef plan_module_methods[]; /* py_plan.c: arenas, pools, plans */
+extern PyMethodDef validate_methods[];    /* py_validate.c: self-tests of `kiln validate` */
 int kiln_plan_add_types(PyObject *module);

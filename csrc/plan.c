@@ -1,11 +1,13 @@
 /* The plan executor: walks the op list once per step. Small ops run on the calling thread; the
- * matrix and attention ops are split into chunks for the pool. Parallel ops only ever store final
- * values (partial results stay in per-thread scratch), which is what lets the pool re-run a chunk
- * whose worker was preempted (see pool.h). */
+ * matrix and attention ops are split into chunks for the pool, each computed into the thread's
+ * scratch and then committed, which is what lets the pool take over a chunk whose worker was
+ * preempted (see pool.h). */
 #include "plan.h"
 
+#include <errno.h>
 #include <math.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "attn.h"
 #include "dequant.h"
@@ -31,8 +33,8 @@ AVX2 static void glu_row_avx2(int kind, const float *g, const float *u, float *o
 }
 #endif
 
-/* A chunk function's context lives in the plan, not on the stack: a late worker may read it after
- * the op that launched it has returned. */
+/* A chunk function's context lives in the plan, not on the stack: a late worker may still read it
+ * (and throw its result away) after the op that launched it has returned. */
 typedef kiln_job job;
 
 static float *scratch(const kiln_plan *p, int thread) { return p->scratch + (size_t)thread * p->scratch_floats; }
@@ -88,13 +90,21 @@ static size_t head_offset(const kiln_plan *p, const kiln_op *op, int slot, int h
     return ((size_t)slot * op->n_kv_heads + head) * p->n_ctx * op->head_dim;
 }
 
-static void qkv_chunk(void *ctx, int unit, int thread) {
+/* Each parallel op is a compute phase, which writes only the thread's scratch (its result first),
+ * and a commit phase, which copies that result to the shared buffers (see pool.h). */
+
+static void qkv_unit(const kiln_op *op, int unit, int *which, int *head) {
+    int H = op->n_heads, KV = op->n_kv_heads;
+    *which = unit < H ? 0 : unit < H + KV ? 1 : 2;
+    *head = *which == 0 ? unit : *which == 1 ? unit - H : unit - H - KV;
+}
+
+static void qkv_compute(void *ctx, int unit, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int hd = op->head_dim, H = op->n_heads, KV = op->n_kv_heads;
-    int which = unit < H ? 0 : unit < H + KV ? 1 : 2;
-    int head = which == 0 ? unit : which == 1 ? unit - H : unit - H - KV;
+    int hd = op->head_dim, which, head;
+    qkv_unit(op, unit, &which, &head);
     const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
     const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
     const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
@@ -106,24 +116,36 @@ static void qkv_chunk(void *ctx, int unit, int thread) {
         float *row = y + (size_t)t * hd;
         if (bias)
             for (int i = 0; i < hd; i++) row[i] += bias[r0 + i];
-        if (which < 2) {
-            if (norm->weight) {
-                rmsnorm(row, norm->weight, norm->eps, hd, tmp);
-                memcpy(row, tmp, sizeof(float) * hd);
-            }
-            rope(row, &op->rope, p->positions[t]);
+        if (which == 2) continue;
+        if (norm->weight) {
+            rmsnorm(row, norm->weight, norm->eps, hd, tmp);
+            memcpy(row, tmp, sizeof(float) * hd);
         }
-        if (which == 0) {
-            memcpy(op->q + (size_t)t * H * hd + r0, row, sizeof(float) * hd);
-        } else if (which == 1) {
-            kiln_store_key(row, op->k_cache + head_offset(p, op, p->slots[t], head), p->positions[t], hd);
-        } else {
-            kiln_store_half(row, op->v_cache + head_offset(p, op, p->slots[t], head) + (size_t)p->positions[t] * hd, hd);
-        }
+        rope(row, &op->rope, p->positions[t]);
     }
 }
 
-static void attn_chunk(void *ctx, int c, int thread) {
+static void qkv_commit(void *ctx, int unit, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    int hd = op->head_dim, which, head;
+    qkv_unit(op, unit, &which, &head);
+    const float *y = scratch(p, thread);
+    for (int t = 0; t < j->n_rows; t++) {
+        const float *row = y + (size_t)t * hd;
+        size_t base = head_offset(p, op, p->slots[t], head);
+        if (which == 0)
+            memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
+        else if (which == 1)
+            kiln_store_key(row, op->k_cache + base, p->positions[t], hd);
+        else
+            kiln_store_half(row, op->v_cache + base + (size_t)p->positions[t] * hd, hd);
+    }
+}
+
+/* The attention result of a chunk: its block's rows, `group` heads of hd each. */
+static void attn_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
@@ -131,9 +153,23 @@ static void attn_chunk(void *ctx, int c, int thread) {
     int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
     int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
     int pos0 = p->positions[t0], first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
-    size_t base = head_offset(p, op, p->slots[t0], g), at = (size_t)t0 * q_dim + (size_t)g * group * hd;
-    kiln_attend(op->q + at, rows, group, hd, q_dim, op->k_cache + base, op->v_cache + base, first, pos0, op->window,
-                op->scale, scratch(p, thread), op->out + at, q_dim, op->negate);
+    size_t base = head_offset(p, op, p->slots[t0], g);
+    float *result = scratch(p, thread), *work = result + (size_t)ATTN_BLOCK * group * hd;
+    kiln_attend(op->q + (size_t)t0 * q_dim + (size_t)g * group * hd, rows, group, hd, q_dim, op->k_cache + base,
+                op->v_cache + base, first, pos0, op->window, op->scale, work, result, group * hd, op->negate);
+}
+
+static void attn_commit(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    int KV = op->n_kv_heads, b = c / KV, g = c % KV;
+    int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
+    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
+    const float *result = scratch(p, thread);
+    for (int i = 0; i < rows; i++)
+        memcpy(op->out + (size_t)(t0 + i) * q_dim + (size_t)g * group * hd, result + (size_t)i * group * hd,
+               sizeof(float) * group * hd);
 }
 
 /* Split rows into blocks of one slot at consecutive positions, at most ATTN_BLOCK long. */
@@ -151,48 +187,64 @@ static int attention_blocks(kiln_plan *p, int n_rows) {
     return n;
 }
 
-static void matmul_chunk(void *ctx, int c, int thread) {
-    const job *j = ctx;
-    const kiln_op *op = j->op;
-    int r0 = c * op->chunk_tiles * 4, r1 = r0 + op->chunk_tiles * 4;
-    if (r1 > op->rows) r1 = op->rows;
-    const void *act = op->act[op->w_act];
-    if (!op->res) { /* the kernel's stores are the final values */
-        kiln_matmul(op->w, act, j->n_rows, op->out, op->rows, r0 / 4, (r1 + 3) / 4);
-        return;
-    }
-    int n = r1 - r0;
-    float *y = scratch(j->plan, thread);
-    matmul_rows(op->w, act, j->n_rows, y, r0, r1);
-    for (int t = 0; t < j->n_rows; t++) {
-        const float *res = op->res + (size_t)t * op->rows + r0, *yt = y + (size_t)t * n;
-        float *out = op->out + (size_t)t * op->rows + r0;
-        for (int i = 0; i < n; i++) out[i] = res[i] + yt[i];
-    }
+/* Rows [r0, r1) of the op's output that chunk c produces. */
+static void chunk_rows(const kiln_op *op, int c, int *r0, int *r1) {
+    *r0 = c * op->chunk_tiles * 4;
+    *r1 = *r0 + op->chunk_tiles * 4 < op->rows ? *r0 + op->chunk_tiles * 4 : op->rows;
 }
 
-static void glu_chunk(void *ctx, int c, int thread) {
+/* Copy a chunk's result (n_rows × (r1 - r0), in scratch) into rows [r0, r1) of `out`. */
+static void commit_rows(const job *j, float *out, int ld, int n_rows, int c, int thread) {
+    int r0, r1;
+    chunk_rows(j->op, c, &r0, &r1);
+    const float *y = scratch(j->plan, thread);
+    for (int t = 0; t < n_rows; t++)
+        memcpy(out + (size_t)t * ld + r0, y + (size_t)t * (r1 - r0), sizeof(float) * (r1 - r0));
+}
+
+static void matmul_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
-    int r0 = c * op->chunk_tiles * 4, r1 = r0 + op->chunk_tiles * 4;
-    if (r1 > op->rows) r1 = op->rows;
+    int r0, r1;
+    chunk_rows(op, c, &r0, &r1);
+    int n = r1 - r0;
+    float *y = scratch(j->plan, thread);
+    matmul_rows(op->w, op->act[op->w_act], j->n_rows, y, r0, r1);
+    if (op->res)
+        for (int t = 0; t < j->n_rows; t++) {
+            const float *res = op->res + (size_t)t * op->rows + r0;
+            float *yt = y + (size_t)t * n;
+            for (int i = 0; i < n; i++) yt[i] += res[i];
+        }
+}
+
+static void matmul_commit(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    commit_rows(j, j->op->out, j->op->rows, j->n_rows, c, thread);
+}
+
+static void glu_compute(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    int r0, r1;
+    chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *g = scratch(j->plan, thread), *u = g + (size_t)j->n_rows * n;
     matmul_rows(op->w, op->act[op->w_act], j->n_rows, g, r0, r1);
     matmul_rows(op->w2, op->act[op->w2_act], j->n_rows, u, r0, r1);
-    for (int t = 0; t < j->n_rows; t++) {
-        float *out = op->out + (size_t)t * op->rows + r0;
-        const float *gt = g + (size_t)t * n, *ut = u + (size_t)t * n;
-        glu_row(op->glu_act, gt, ut, out, n);
-    }
+    for (int t = 0; t < j->n_rows; t++) glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 
-static void logits_chunk(void *ctx, int c, int thread) {
+static void logits_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
-    const kiln_op *op = j->op;
-    (void)thread;
-    int t0 = c * op->chunk_tiles, t1 = t0 + op->chunk_tiles;
-    kiln_matmul(op->w, op->act[op->w_act], j->n_out, op->out, op->rows, t0, t1);
+    int r0, r1;
+    chunk_rows(j->op, c, &r0, &r1);
+    matmul_rows(j->op->w, j->op->act[j->op->w_act], j->n_out, scratch(j->plan, thread), r0, r1);
+}
+
+static void logits_commit(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    commit_rows(j, j->op->out, j->op->rows, j->n_out, c, thread);
 }
 
 static int chunks_of(const kiln_op *op) { return (n_tiles(op->w) + op->chunk_tiles - 1) / op->chunk_tiles; }
@@ -204,12 +256,18 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     j->op = op;
     j->n_rows = n_rows;
     j->n_out = n_out;
-    int st = p->stealable;
     switch (op->kind) {
     case OP_EMBED:
         for (int t = 0; t < n_rows; t++) {
             float *x = op->out + (size_t)t * op->cols;
-            kiln_dequant_row(op->table_type, op->table + (size_t)p->tokens[t] * op->table_row_bytes, op->cols, x);
+            uint8_t *row = (uint8_t *)scratch(p, 0); /* a row is at most cols floats */
+            off_t at = (off_t)(op->table_offset + (size_t)p->tokens[t] * op->table_row_bytes);
+            if (pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes) {
+                p->error = errno ? errno : EIO;
+                memset(x, 0, sizeof(float) * op->cols);
+                continue;
+            }
+            kiln_dequant_row(op->table_type, row, op->cols, x);
             if (op->scale != 1.0f)
                 for (int i = 0; i < op->cols; i++) x[i] *= op->scale;
         }
@@ -225,11 +283,11 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
         return 0;
     }
     case OP_QUANT: quantize_all(op, op->in, n_rows); return 0;
-    case OP_QKV: return kiln_pool_run(p->pool, qkv_chunk, j, op->n_heads + 2 * op->n_kv_heads, st);
-    case OP_ATTN: return kiln_pool_run(p->pool, attn_chunk, j, p->n_blocks * op->n_kv_heads, st);
-    case OP_MATMUL: return kiln_pool_run(p->pool, matmul_chunk, j, chunks_of(op), st);
-    case OP_GLU: return kiln_pool_run(p->pool, glu_chunk, j, chunks_of(op), st);
-    case OP_LOGITS: return kiln_pool_run(p->pool, logits_chunk, j, chunks_of(op), st);
+    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, op->n_heads + 2 * op->n_kv_heads);
+    case OP_ATTN: return kiln_pool_run(p->pool, attn_compute, attn_commit, j, p->n_blocks * op->n_kv_heads);
+    case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));
+    case OP_GLU: return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(op));
+    case OP_LOGITS: return kiln_pool_run(p->pool, logits_compute, logits_commit, j, chunks_of(op));
     case OP_NORM_ADD:
         for (int t = 0; t < n_rows; t++) {
             const float *res = op->res + (size_t)t * op->cols;
@@ -244,6 +302,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
 
 int64_t kiln_plan_run(kiln_plan *p, int n_rows, int n_out) {
     int64_t wait_total = 0;
+    p->error = 0;
     p->n_blocks = attention_blocks(p, n_rows);
     for (int i = 0; i < p->n_ops; i++) {
         if (!p->trace) {

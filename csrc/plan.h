@@ -61,8 +61,9 @@ typedef struct kiln_op {
     int w_act, w2_act;       /* index into act[] each weight consumes */
     const float *bias;
     int glu_act;
-    /* embedding table (GGUF layout) */
-    const uint8_t *table;
+    /* embedding table, read in place from the GGUF file one row per token (GGUF layout) */
+    int table_fd;
+    size_t table_offset;
     int table_type;
     size_t table_row_bytes;
     /* attention and qkv */
@@ -93,7 +94,6 @@ struct kiln_plan {
     int n_ops, cap;
     int max_rows;
     int n_ctx, n_slots;
-    int stealable;        /* buffers are single-assignment within a step (see pool.h) */
     /* per-row inputs, written by the caller before each run */
     int32_t *tokens, *slots, *positions, *row_sel;
     int32_t *blocks; /* attention: (first row, rows) of each run of one sequence, set at each run */
@@ -108,6 +108,7 @@ struct kiln_plan {
     int64_t *op_ns, *op_wait_ns;
     int64_t runs;
     int64_t *op_t0_ns, *op_t1_ns; /* start and end of each op in the last traced run (kiln_now_ns) */
+    int error; /* errno of a failed read of the embedding table during the last run, else 0 */
 };
 
 /* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. */

@@ -12,35 +12,33 @@
 
 #define MAX_THREADS 64
 #define MAX_CHUNKS 4096
-#define IDLE UINT64_MAX
 #define SPIN_NS 200000 /* a worker spins this long for the next job before sleeping */
 
-/* Chunk states carry the job number, so a late worker can never touch a later job's bookkeeping. */
+/* Chunk states carry the job number, so a late worker can never touch a later job's bookkeeping.
+ * CLAIMED: someone computes it; TAKEN: one thread won the right to commit it; DONE: committed. */
 #define CLAIMED(job) (((uint64_t)(job) << 2) | 1)
+#define TAKEN(job) (((uint64_t)(job) << 2) | 3)
 #define DONE(job) (((uint64_t)(job) << 2) | 2)
 
 /* Jobs are described in a ring: a worker that lags behind still reads its own job's description,
  * never a half-written newer one (its claims then fail, since the claim word names the newer job). */
 #define RING 8
 typedef struct {
-    kiln_chunk_fn fn;
+    kiln_chunk_fn compute, commit;
     void *ctx;
     int n_chunks;
-    uint64_t epoch;
 } job_desc;
 
 struct kiln_pool {
     int n_threads;
     pthread_t threads[MAX_THREADS];
-    job_desc ring[RING];      /* written before `job` is bumped */
-    _Atomic uint32_t job;     /* job number; workers wait for it to change */
-    _Atomic uint64_t claim;   /* job << 32 | next unclaimed chunk */
-    _Atomic int done;         /* chunks of the current job finished */
+    job_desc ring[RING];    /* written before `job` is bumped */
+    _Atomic uint32_t job;   /* job number; workers wait for it to change */
+    _Atomic uint64_t claim; /* job << 32 | next unclaimed chunk */
+    _Atomic int done;       /* chunks of the current job committed */
     _Atomic uint64_t state[MAX_CHUNKS];
-    _Atomic uint64_t worker_epoch[MAX_THREADS]; /* epoch of the chunk a worker is inside, or IDLE */
     _Atomic int sleepers;
     _Atomic int stop;
-    uint64_t epoch;
     _Atomic uint64_t steals;
 };
 
@@ -75,21 +73,23 @@ static int claim_chunk(kiln_pool *p, uint32_t job, int n_chunks) {
     }
 }
 
-static void finish_chunk(kiln_pool *p, uint32_t job, int c) {
+/* Commit a computed chunk if nobody took it over meanwhile. */
+static void try_commit(kiln_pool *p, uint32_t job, const job_desc *d, int c, int thread) {
     uint64_t expected = CLAIMED(job);
-    if (atomic_compare_exchange_strong_explicit(&p->state[c], &expected, DONE(job), memory_order_acq_rel,
-                                                memory_order_acquire))
-        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+    if (!atomic_compare_exchange_strong_explicit(&p->state[c], &expected, TAKEN(job), memory_order_acq_rel,
+                                                 memory_order_acquire))
+        return; /* the caller took it over: this result is thrown away */
+    d->commit(d->ctx, c, thread);
+    atomic_store_explicit(&p->state[c], DONE(job), memory_order_release);
+    atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
 }
 
-static void work(kiln_pool *p, uint32_t job, kiln_chunk_fn fn, void *ctx, int n_chunks, uint64_t epoch, int thread) {
+static void work(kiln_pool *p, uint32_t job, const job_desc *d, int thread) {
     int c;
-    while ((c = claim_chunk(p, job, n_chunks)) >= 0) {
+    while ((c = claim_chunk(p, job, d->n_chunks)) >= 0) {
         atomic_store_explicit(&p->state[c], CLAIMED(job), memory_order_release);
-        if (thread) atomic_store_explicit(&p->worker_epoch[thread], epoch, memory_order_release);
-        fn(ctx, c, thread);
-        if (thread) atomic_store_explicit(&p->worker_epoch[thread], IDLE, memory_order_release);
-        finish_chunk(p, job, c);
+        d->compute(d->ctx, c, thread);
+        try_commit(p, job, d, c, thread);
     }
 }
 
@@ -121,7 +121,7 @@ static void *worker_main(void *arg_) {
         }
         seen = job;
         job_desc d = p->ring[job % RING];
-        work(p, job, d.fn, d.ctx, d.n_chunks, d.epoch, arg.index);
+        work(p, job, &d, arg.index);
     }
     return NULL;
 }
@@ -132,8 +132,6 @@ kiln_pool *kiln_pool_create(int n_threads) {
     kiln_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n_threads = n_threads;
-    p->epoch = 1;
-    for (int i = 0; i < MAX_THREADS; i++) atomic_store(&p->worker_epoch[i], IDLE);
     for (int i = 1; i < n_threads; i++) {
         worker_arg *arg = malloc(sizeof *arg);
         if (!arg) { p->n_threads = i; break; }
@@ -158,18 +156,17 @@ void kiln_pool_destroy(kiln_pool *p) {
 }
 
 int kiln_pool_threads(const kiln_pool *p) { return p->n_threads; }
-uint64_t kiln_pool_epoch(const kiln_pool *p) { return p->epoch; }
-void kiln_pool_next_epoch(kiln_pool *p) { p->epoch++; }
 uint64_t kiln_pool_steals(const kiln_pool *p) { return atomic_load(&p->steals); }
 
-int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn fn, void *ctx, int n_chunks, int stealable) {
+int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn compute, kiln_chunk_fn commit, void *ctx, int n_chunks) {
     if (n_chunks <= 0) return 0;
     if (p->n_threads == 1 || n_chunks == 1 || n_chunks > MAX_CHUNKS) {
-        for (int c = 0; c < n_chunks; c++) fn(ctx, c, 0);
+        for (int c = 0; c < n_chunks; c++) compute(ctx, c, 0), commit(ctx, c, 0);
         return 0;
     }
     uint32_t job = atomic_load_explicit(&p->job, memory_order_relaxed) + 1;
-    p->ring[job % RING] = (job_desc){fn, ctx, n_chunks, p->epoch};
+    job_desc d = {compute, commit, ctx, n_chunks};
+    p->ring[job % RING] = d;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     atomic_store_explicit(&p->claim, (uint64_t)job << 32, memory_order_release);
     atomic_store_explicit(&p->job, job, memory_order_release);
@@ -180,34 +177,25 @@ int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn fn, void *ctx, int n_chunks, i
     int mine = 0, c;
     while ((c = claim_chunk(p, job, n_chunks)) >= 0) {
         atomic_store_explicit(&p->state[c], CLAIMED(job), memory_order_release);
-        fn(ctx, c, 0);
-        finish_chunk(p, job, c);
+        compute(ctx, c, 0);
+        try_commit(p, job, &d, c, 0);
         mine++;
     }
     int64_t t_wait = kiln_now_ns();
-    int64_t per_chunk = mine ? (t_wait - t0) / mine : 20000;
-    int64_t patience = 2 * per_chunk + 20000;
+    int64_t patience = 2 * (mine ? (t_wait - t0) / mine : 20000) + 20000;
     while (atomic_load_explicit(&p->done, memory_order_acquire) < n_chunks) {
-        if (stealable && kiln_now_ns() - t_wait > patience) {
+        if (kiln_now_ns() - t_wait > patience) {
             for (c = 0; c < n_chunks; c++) {
-                if (atomic_load_explicit(&p->state[c], memory_order_acquire) != CLAIMED(job)) continue;
-                fn(ctx, c, 0);
                 uint64_t expected = CLAIMED(job);
-                if (atomic_compare_exchange_strong(&p->state[c], &expected, DONE(job))) {
-                    atomic_fetch_add(&p->done, 1);
-                    atomic_fetch_add(&p->steals, 1);
-                }
+                if (!atomic_compare_exchange_strong(&p->state[c], &expected, TAKEN(job))) continue;
+                compute(ctx, c, 0);
+                commit(ctx, c, 0);
+                atomic_store(&p->state[c], DONE(job));
+                atomic_fetch_add(&p->done, 1);
+                atomic_fetch_add(&p->steals, 1);
             }
-            continue;
         }
         cpu_relax();
     }
     return kiln_now_ns() - t_wait;
-}
-
-int64_t kiln_pool_fence(kiln_pool *p, uint64_t min_epoch) {
-    int64_t t0 = kiln_now_ns();
-    for (int i = 1; i < p->n_threads; i++)
-        while (atomic_load_explicit(&p->worker_epoch[i], memory_order_acquire) < min_epoch) cpu_relax();
-    return kiln_now_ns() - t0;
 }

@@ -3,6 +3,7 @@
  * Python builds each op as bytes laid out like `kiln_op`, using the field table `op_fields()` returns,
  * so the struct is defined once, here in C. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -223,11 +224,9 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static PyObject *pool_threads(Pool *p, void *c) { (void)c; return PyLong_FromLong(kiln_pool_threads(p->pool)); }
 static PyObject *pool_steals(Pool *p, void *c) { (void)c; return PyLong_FromUnsignedLongLong(kiln_pool_steals(p->pool)); }
-static PyObject *pool_epoch(Pool *p, void *c) { (void)c; return PyLong_FromUnsignedLongLong(kiln_pool_epoch(p->pool)); }
 static PyGetSetDef pool_getset[] = {
     {"threads", (getter)pool_threads, NULL, "threads including the caller", NULL},
-    {"steals", (getter)pool_steals, NULL, "chunks re-run by the caller because a worker stalled", NULL},
-    {"epoch", (getter)pool_epoch, NULL, "steps run so far", NULL},
+    {"steals", (getter)pool_steals, NULL, "chunks the caller took over because their worker stalled", NULL},
     {NULL}};
 
 static PyTypeObject PoolType = {
@@ -263,15 +262,15 @@ static void plan_dealloc(Plan *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* Plan(ops, pool, keep, rows, n_ctx, n_slots, stealable, scratch_floats, tokens, slots, positions, row_sel) */
+/* Plan(ops, pool, keep, rows, n_ctx, n_slots, scratch_floats, tokens, slots, positions, row_sel) */
 static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     (void)kw;
     Py_buffer ops;
     PyObject *pool, *keep;
-    int rows, n_ctx, n_slots, stealable;
+    int rows, n_ctx, n_slots;
     Py_ssize_t scratch_floats;
     unsigned long long tokens, slots, positions, row_sel;
-    if (!PyArg_ParseTuple(args, "y*O!OiiiinKKKK", &ops, &PoolType, &pool, &keep, &rows, &n_ctx, &n_slots, &stealable,
+    if (!PyArg_ParseTuple(args, "y*O!OiiinKKKK", &ops, &PoolType, &pool, &keep, &rows, &n_ctx, &n_slots,
                           &scratch_floats, &tokens, &slots, &positions, &row_sel))
         return NULL;
     if (ops.len % sizeof(kiln_op)) {
@@ -305,7 +304,6 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->max_rows = rows;
     k->n_ctx = n_ctx;
     k->n_slots = n_slots;
-    k->stealable = stealable;
     k->tokens = (int32_t *)(uintptr_t)tokens;
     k->slots = (int32_t *)(uintptr_t)slots;
     k->positions = (int32_t *)(uintptr_t)positions;
@@ -317,14 +315,12 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)p;
 }
 
-/* run(n_rows, n_out, min_epoch) -> (ns inside the native call, ns of it spent waiting at barriers and
- * fences).
+/* run(n_rows, n_out) -> (ns inside the native call, ns of it the caller spent waiting at barriers).
  * The caller has validated the per-row inputs; this checks them again, since a bad token id or
  * position would read or write outside the buffers. */
 static PyObject *plan_run(Plan *p, PyObject *args) {
     int n_rows, n_out;
-    unsigned long long min_epoch;
-    if (!PyArg_ParseTuple(args, "iiK", &n_rows, &n_out, &min_epoch)) return NULL;
+    if (!PyArg_ParseTuple(args, "ii", &n_rows, &n_out)) return NULL;
     kiln_plan *k = &p->plan;
     if (n_rows < 1 || n_rows > k->max_rows || n_out < 0 || n_out > n_rows)
         return PyErr_Format(PyExc_ValueError, "plan run of %d rows (%d with logits) exceeds its %d rows", n_rows, n_out,
@@ -339,11 +335,13 @@ static PyObject *plan_run(Plan *p, PyObject *args) {
     int64_t waited, t0, t1;
     Py_BEGIN_ALLOW_THREADS
     t0 = kiln_now_ns();
-    waited = kiln_pool_fence(k->pool, min_epoch);
-    kiln_pool_next_epoch(k->pool);
-    waited += kiln_plan_run(k, n_rows, n_out);
+    waited = kiln_plan_run(k, n_rows, n_out);
     t1 = kiln_now_ns();
     Py_END_ALLOW_THREADS
+    if (k->error) {
+        errno = k->error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     return Py_BuildValue("(LL)", (long long)(t1 - t0), (long long)waited);
 }
 
@@ -374,7 +372,7 @@ static PyObject *plan_timeline(Plan *p, PyObject *noargs) {
 }
 
 static PyMethodDef plan_methods[] = {
-    {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out, min_epoch) -> (ns, ns waited)"},
+    {"run", (PyCFunction)plan_run, METH_VARARGS, "run(n_rows, n_out) -> (ns, ns waited)"},
     {"set_trace", (PyCFunction)plan_set_trace, METH_VARARGS, "switch per-op timing on or off (and reset it)"},
     {"trace", (PyCFunction)plan_trace, METH_NOARGS, "per-op (ns, wait ns) totals and the run count"},
     {"timeline", (PyCFunction)plan_timeline, METH_NOARGS, "per-op (start ns, end ns) of the last traced run"},
@@ -407,7 +405,7 @@ static const struct {
     FIELD(select_rows, 'i'), FIELD(n_act, 'i'), FIELD(act_fmt[0], 'i'), FIELD(act_fmt[1], 'i'),
     FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'), FIELD(act_stride[0], 'z'),
     FIELD(act_stride[1], 'z'), FIELD(act_stride[2], 'z'), FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
-    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table, 'p'), FIELD(table_type, 'i'),
+    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
     FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
     FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
     FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),

@@ -17,6 +17,9 @@ COMMAND_MODULES = [
     "kiln.commands.serve",
     "kiln.bench.cli",
     "kiln.eval.cli",
+    "kiln.commands.report",
+    "kiln.commands.trace",
+    "kiln.commands.validate",
 ]
 
 

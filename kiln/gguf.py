@@ -8,8 +8,10 @@ the `gguf` package, which stays the oracle for tensor contents.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,16 @@ def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> in
     return int(np.prod(shape)) // block * size
 
 
+def _typed(data: np.ndarray, t: TensorInfo) -> np.ndarray:
+    if t.type == QT.F32:
+        return data.view(np.float32).reshape(t.shape)
+    if t.type == QT.F16:
+        return data.view(np.float16).reshape(t.shape)
+    if t.type == QT.BF16:
+        return data.view(np.uint16).reshape(t.shape)
+    return data.reshape(*t.shape[:-1], t.nbytes // int(np.prod(t.shape[:-1])))
+
+
 class _Cursor:
     """Reads GGUF's little-endian fields, naming the offset of anything out of bounds."""
 
@@ -132,21 +144,49 @@ class _Cursor:
             return self._string_array(count, key)
         return [self.value(item_type, key) for _ in range(count)]
 
-    def _string_array(self, count: int, key: str) -> list[str]:
-        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+    def _string_array(self, count: int, key: str) -> "StringArray":
+        """Find the strings' extents now (a bad length is reported at load), decode them on first use:
+        a vocabulary is 10^5 strings a cached tokenizer never needs."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        starts = np.empty(count + 1, dtype=np.int64)
         for i in range(count):
             if pos + 8 > end:
                 self.pos = pos
                 raise self.fail(f"truncated in string {i} of array {key!r}")
             n = int.from_bytes(buf[pos : pos + 8], "little")
-            pos += 8
-            if pos + n > end:
-                self.pos = pos
+            starts[i] = pos + 8
+            pos += 8 + n
+            if pos > end:
+                self.pos = pos - n
                 raise self.fail(f"string {i} of array {key!r} runs past the end of the file")
-            out.append(str(buf[pos : pos + n], "utf-8", "replace"))
-            pos += n
+        starts[count] = pos + 8  # so string i always ends at starts[i + 1] - 8
         self.pos = pos
-        return out
+        return StringArray(buf, starts)
+
+
+class StringArray(Sequence):
+    """A GGUF array of strings, decoded (all at once) the first time one is read."""
+
+    def __init__(self, buf: memoryview, starts: np.ndarray):
+        self._buf, self._starts, self._items = buf, starts, None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            b, s = self._buf, self._starts.tolist()
+            self._items = [str(b[s[i] : s[i + 1] - 8], "utf-8", "replace") for i in range(len(s) - 1)]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
 
 
 class GGUFFile:
@@ -161,6 +201,7 @@ class GGUFFile:
         if size < 24:
             raise ModelFileError(f"{self.path}: not a GGUF file (only {size} bytes)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._fd = -1
         cur = _Cursor(memoryview(self._map), self.path)
         magic = bytes(cur.take(4, "magic"))
         if magic != GGUF_MAGIC:
@@ -200,6 +241,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, type_id, rel_offset, header_at in infos:
             self.tensors[name] = self._tensor_info(name, dims, type_id, data_start + rel_offset, header_at, size)
+        self._fd = os.open(self.path, os.O_RDONLY)
 
     def _tensor_info(self, name, dims, type_id, offset, header_at, size) -> TensorInfo:
         try:
@@ -253,31 +295,41 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored: (rows, bytes per row) uint8 for quantized types, typed for floats."""
         t = self.info(name)
-        data = self._map[t.offset : t.offset + t.nbytes]
-        if t.type == QT.F32:
-            return data.view(np.float32).reshape(t.shape)
-        if t.type == QT.F16:
-            return data.view(np.float16).reshape(t.shape)
-        if t.type == QT.BF16:
-            return data.view(np.uint16).reshape(t.shape)
-        return data.reshape(*t.shape[:-1], t.nbytes // int(np.prod(t.shape[:-1])))
+        return _typed(self._map[t.offset : t.offset + t.nbytes], t)
+
+    def read(self, name: str) -> np.ndarray:
+        """A copy of the tensor's bytes, read without touching the memory map: small tensors (norms,
+        biases) sit between large ones, and a page fault may map a large folio of the file around them."""
+        t = self.info(name)
+        data = np.frombuffer(os.pread(self._fd, t.nbytes, t.offset), dtype=np.uint8)
+        return _typed(data, t)
 
     def dequantize(self, name: str) -> np.ndarray:
         """Float32 values of a tensor, computed by the `gguf` package's reference dequantization."""
         t = self.info(name)
-        raw = self.raw(name)
+        raw = self.read(name)
         if t.type == QT.F32:
             return np.array(raw, dtype=np.float32)
         if t.type == QT.F16:
             return raw.astype(np.float32)
         return gguf_quants.dequantize(raw, t.type).astype(np.float32, copy=False).reshape(t.shape)
 
+    def release_pages(self) -> None:
+        """Unmap the file's pages from this process (they stay in the page cache): after repacking,
+        the packed copy is the one that stays resident."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def fileno(self) -> int:
+        return self._fd
+
     def file_size(self) -> int:
         return int(self._map.shape[0])
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         mm = getattr(self._map, "_mmap", None)
-        self._map = None
         if mm is not None:
             try:
                 mm.close()

@@ -16,7 +16,7 @@ bytes each token stands for, so streamed text and decoded text agree byte for by
 from __future__ import annotations
 
 import codecs
-import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -72,7 +72,8 @@ _PRE_TOKENIZERS = {
 }
 
 # Bump when the cached tokenizer's construction changes, so stale caches are not reused.
-_CACHE_FORMAT = "kiln-spm-1"
+_STATE_FILE = "tokenizer.npz"
+_STATE_FORMAT = 1  # bump when the saved state changes meaning
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -108,9 +109,22 @@ class Tokenizer:
     # --- construction -----------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, cache_dir: Path | None = None) -> Tokenizer:
+        """Build from the file's metadata. With `cache_dir` (a directory kept per model file, as the
+        store provides), the built tokenizer is saved there and later loads skip the building."""
+        if cache_dir is not None:
+            cached = cls._load_state(Path(cache_dir) / _STATE_FILE, gguf)
+            if cached is not None:
+                return cached
+        tokenizer = cls._build(gguf)
+        if cache_dir is not None:
+            tokenizer._save_state(Path(cache_dir) / _STATE_FILE, gguf)
+        return tokenizer
+
+    @classmethod
+    def _build(cls, gguf: GGUFFile) -> Tokenizer:
         path, md = gguf.path, gguf.metadata
         kind = gguf.require("tokenizer.ggml.model")
-        tokens = gguf.require("tokenizer.ggml.tokens")
+        tokens = list(gguf.require("tokenizer.ggml.tokens"))
         n = len(tokens)
         types = np.asarray(md.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
         if len(types) != n:
@@ -127,7 +141,7 @@ class Tokenizer:
             bos_default = eos_default = None
         elif kind == "llama":
             add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-            backend = _sentencepiece_backend(gguf, tokens, types, add_space_prefix, cache_dir)
+            backend = _sentencepiece_backend(gguf, tokens, types, add_space_prefix)
             add_bos_default = True
             table = _sentencepiece_table(tokens, types)
             bos_default, eos_default = 1, 2  # llama.cpp's defaults for SentencePiece files
@@ -145,6 +159,42 @@ class Tokenizer:
         return cls(backend, tokens, types, table, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
                    strip_space_prefix=add_space_prefix, stop_ids=frozenset(stops),
                    chat_template=md.get("tokenizer.chat_template"), source=str(path))
+
+    # --- the cache of a built tokenizer -------------------------------------------------------------
+    def _save_state(self, file: Path, gguf: GGUFFile) -> None:
+        """One .npz of plain arrays (no pickles), written atomically; a read-only store just skips it."""
+        state = {"format": _STATE_FORMAT, "tokenizers": tokenizers.__version__, "file": _fingerprint(gguf),
+                 "bos_id": self.bos_id,
+                 "eos_id": self.eos_id, "add_bos": self.add_bos, "strip_space_prefix": self._strip_space_prefix,
+                 "stop_ids": sorted(self.stop_ids), "chat_template": self._file_chat_template}
+        tokens = [t.encode() for t in self._tokens]
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            partial = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            with open(partial, "wb") as f:
+                np.savez(f, state=_text_array(json.dumps(state)), backend=_text_array(self._backend.to_str()),
+                         types=np.asarray(self._types, dtype=np.int32), **_packed("tokens", tokens),
+                         **_packed("bytes", self._bytes))
+            os.replace(partial, file)
+        except OSError:
+            pass
+
+    @classmethod
+    def _load_state(cls, file: Path, gguf: GGUFFile) -> Tokenizer | None:
+        try:
+            with np.load(file, allow_pickle=False) as z:
+                state = json.loads(z["state"].tobytes())
+                if (state.get("format"), state.get("tokenizers"), state.get("file")) != (
+                        _STATE_FORMAT, tokenizers.__version__, _fingerprint(gguf)):
+                    return None
+                backend = tokenizers.Tokenizer.from_str(z["backend"].tobytes().decode())
+                tokens = [t.decode() for t in _unpacked(z, "tokens")]
+                table, types = _unpacked(z, "bytes"), z["types"]
+        except Exception:  # a damaged or foreign cache file is rebuilt, never fatal
+            return None
+        return cls(backend, tokens, types, table, bos_id=state["bos_id"], eos_id=state["eos_id"],
+                   add_bos=state["add_bos"], strip_space_prefix=state["strip_space_prefix"],
+                   stop_ids=frozenset(state["stop_ids"]), chat_template=state["chat_template"], source=str(gguf.path))
 
     # --- encoding ---------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
@@ -272,8 +322,8 @@ def _byte_level_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray) ->
     return backend, pre["add_bos"]
 
 
-def _sentencepiece_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray, add_space_prefix: bool,
-                           cache_dir: Path | None) -> tokenizers.Tokenizer:
+def _sentencepiece_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray,
+                           add_space_prefix: bool) -> tokenizers.Tokenizer:
     md = gguf.metadata
     if "tokenizer.ggml.merges" in md:
         return _assemble_sentencepiece(gguf, tokens, types, _file_merges(gguf), add_space_prefix)
@@ -282,26 +332,7 @@ def _sentencepiece_backend(gguf: GGUFFile, tokens: list[str], types: np.ndarray,
     scores = None if by_position else np.asarray(md["tokenizer.ggml.scores"], dtype=np.float32)
     if scores is not None and len(scores) != len(tokens):
         raise ModelFileError(f"{gguf.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
-    if cache_dir is None:
-        return _assemble_sentencepiece(gguf, tokens, types, _derive_merges(tokens, types, scores), add_space_prefix)
-
-    unk = md.get("tokenizer.ggml.unknown_token_id")
-    digest = hashlib.sha256(f"{_CACHE_FORMAT}|{tokenizers.__version__}|{add_space_prefix}|{unk}".encode())
-    digest.update("\0".join(tokens).encode())
-    digest.update(types.tobytes())
-    digest.update(b"position" if scores is None else scores.tobytes())
-    cached = Path(cache_dir) / f"tokenizer-{digest.hexdigest()[:32]}.json"
-    if cached.is_file():
-        try:
-            return tokenizers.Tokenizer.from_file(str(cached))
-        except Exception:  # a damaged cache file is rebuilt below
-            pass
-    backend = _assemble_sentencepiece(gguf, tokens, types, _derive_merges(tokens, types, scores), add_space_prefix)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    backend.save(str(partial), pretty=False)
-    os.replace(partial, cached)
-    return backend
+    return _assemble_sentencepiece(gguf, tokens, types, _derive_merges(tokens, types, scores), add_space_prefix)
 
 
 def _derive_merges(tokens: list[str], types: np.ndarray, scores: np.ndarray | None) -> list[tuple[str, str]]:
@@ -363,3 +394,23 @@ def _sentencepiece_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
         is_byte = types[i] == BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
         table[i] = bytes([int(token[3:5], 16)]) if is_byte else token.encode()
     return table
+
+
+def _fingerprint(gguf: GGUFFile) -> list:
+    """Enough to notice a cache directory shared by another model file (the store keeps one per file)."""
+    return [gguf.file_size(), gguf.data_offset, len(gguf.metadata.get("tokenizer.ggml.tokens", ()))]
+
+
+def _text_array(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8)
+
+
+def _packed(name: str, items: list[bytes]) -> dict[str, np.ndarray]:
+    ends = np.cumsum([len(b) for b in items], dtype=np.int64)
+    return {f"{name}_blob": np.frombuffer(b"".join(items), dtype=np.uint8), f"{name}_ends": ends}
+
+
+def _unpacked(z, name: str) -> list[bytes]:
+    blob, ends = z[f"{name}_blob"].tobytes(), z[f"{name}_ends"].tolist()
+    starts = [0] + ends[:-1]
+    return [blob[a:b] for a, b in zip(starts, ends)]

@@ -110,12 +110,13 @@ def test_corpus_is_large_and_varied():
 # --- real models ----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tokenizer_cache(tmp_path_factory) -> Path:
+    """Gemma's cache directory (the store keeps one per model file)."""
     return tmp_path_factory.mktemp("tokenizer-cache")
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_path, tokenizer_cache) -> Tokenizer:
-    return Tokenizer.from_gguf(GGUFFile(smollm2_path), cache_dir=tokenizer_cache)
+def smollm2(smollm2_path, tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(smollm2_path), cache_dir=tmp_path_factory.mktemp("smollm2-cache"))
 
 
 @pytest.fixture(scope="session")
@@ -364,7 +365,7 @@ def test_character_from_byte_fallback_comes_out_at_the_last(gemma3):
 
 @pytest.mark.slow
 def test_gemma_tokenizer_is_cached(gemma3, gemma3_path, tokenizer_cache, monkeypatch):
-    assert len(list(tokenizer_cache.glob("tokenizer-*.json"))) == 1
+    assert len(list(tokenizer_cache.glob("tokenizer.npz"))) == 1
 
     def no_derivation(*args):
         raise AssertionError("merges derived again despite the cache")
@@ -597,7 +598,7 @@ def test_sentencepiece_cache_is_written_once_and_survives_damage(tmp_path, monke
     model = _write_gguf(tmp_path / "spm.gguf", model="llama", tokens=tokens, types=types, token_scores=scores)
     cache = tmp_path / "cache"
     first = Tokenizer.from_gguf(model, cache_dir=cache).encode("hello world")
-    [cached] = cache.glob("tokenizer-*.json")
+    [cached] = cache.glob("tokenizer.npz")
     assert not list(cache.glob(".*tmp"))
 
     derived = []
@@ -605,8 +606,11 @@ def test_sentencepiece_cache_is_written_once_and_survives_damage(tmp_path, monke
     monkeypatch.setattr(kiln_tokenizer, "_derive_merges", lambda *a: derived.append(1) or real_derive(*a))
     assert Tokenizer.from_gguf(model, cache_dir=cache).encode("hello world") == first
     assert derived == []
-    cached.write_text("{ not json")
+    cached.write_bytes(b"not an npz file")
     assert Tokenizer.from_gguf(model, cache_dir=cache).encode("hello world") == first
     assert derived == [1]
     assert Tokenizer.from_gguf(model, cache_dir=cache).encode("hello world") == first
     assert derived == [1]
+    other = _write_gguf(tmp_path / "other.gguf", model="llama", tokens=tokens[:-1], types=types[:-1],
+                        token_scores=scores[:-1])
+    assert Tokenizer.from_gguf(other, cache_dir=cache).vocab_size == len(tokens) - 1  # not the cached one

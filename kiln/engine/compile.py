@@ -11,8 +11,7 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS
 
-Buffers are symbolic until every op is emitted; then they get arena offsets, either all distinct
-(decode plans, whose chunks may be re-run — see csrc/pool.h) or reused once dead (prefill plans).
+Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead.
 """
 
 from __future__ import annotations
@@ -189,8 +188,10 @@ class Lowering:
     def _value_embed(self, node: Node) -> Buf:
         out = self._floats(self.cfg.dim)
         table = self.weights.table(node.params["table"])
+        self._scratch(self.cfg.dim)  # the caller reads a table row into its scratch
         self._emit(kind=self.n.OP_EMBED, op_class=4, cols=self.cfg.dim, out=out, scale=node.params["scale"],
-                   table=table.address, table_type=table.ggml_type, table_row_bytes=table.row_bytes)
+                   table_fd=table.fd, table_offset=table.offset, table_type=table.ggml_type,
+                   table_row_bytes=table.row_bytes)
         return out
 
     def _value_add(self, node: Node) -> Buf:
@@ -214,8 +215,7 @@ class Lowering:
         acts, idx = self._act_index(linear.inputs[0], linear.params["weight"])
         fields = self._act_fields(acts, self._width(linear.inputs[0]))
         chunk = self._chunk_tiles(w)
-        if res is not None:
-            self._scratch(self.rows * chunk * 4)
+        self._scratch(self.rows * chunk * 4)
         self._emit(kind=self.n.OP_MATMUL, op_class=0, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
                    out=out, res=res, chunk_tiles=chunk)
 
@@ -265,7 +265,8 @@ class Lowering:
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
-        self._scratch(self.n.attend_scratch(self.n.ATTN_BLOCK * group, hd))
+        queries = self.n.ATTN_BLOCK * group
+        self._scratch(queries * hd + self.n.attend_scratch(queries, hd))
         self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
         return out
@@ -297,6 +298,7 @@ class Lowering:
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
+        self._scratch(self.out_rows * self._chunk_tiles(w) * 4)
         self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, rows=vocab, w=w.address, w_act=0,
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 

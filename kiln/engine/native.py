@@ -1,9 +1,8 @@
 """The native engine: weights repacked once (and cached next to the model), a preallocated fp16 KV
 cache, and plans compiled from the family's graph that C runs in one call per step.
 
-Three plans share the weights and the cache: two decode plans for up to `max_batch` rows, used on
-alternate steps (their buffers are single-assignment, so a stalled worker's late stores can never
-land on live data — see csrc/pool.h), and a prefill plan for chunks of up to `prefill_rows` rows.
+Two plans share the weights and the cache: a decode plan for up to `max_batch` rows and a prefill
+plan for chunks of up to `prefill_rows` rows. Each has its own arena of activations.
 """
 
 from __future__ import annotations
@@ -55,15 +54,12 @@ def physical_cores() -> int:
 
 @dataclass
 class Table:
-    """An embedding table read in place from the GGUF file, one row per token."""
+    """An embedding table read in place from the GGUF file (pread of one row per token)."""
 
-    array: np.ndarray
+    fd: int
+    offset: int
     ggml_type: int
     row_bytes: int
-
-    @property
-    def address(self) -> int:
-        return self.array.ctypes.data
 
 
 class PackedWeights:
@@ -78,6 +74,7 @@ class PackedWeights:
         layouts = self._load(names, cache_dir) if cache_dir else None
         if layouts is None:
             layouts = self._pack(names)
+            gguf.release_pages()
             if cache_dir:
                 self._save(cache_dir, layouts)
         self.mats = {name: _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"],
@@ -148,8 +145,7 @@ class PackedWeights:
     def table(self, name: str) -> Table:
         if name not in self.tables:
             t = self.gguf.info(name)
-            raw = self.gguf.raw(name)
-            self.tables[name] = Table(raw, int(t.type), t.nbytes // t.shape[0])
+            self.tables[name] = Table(self.gguf.fileno(), t.offset, int(t.type), t.nbytes // t.shape[0])
         return self.tables[name]
 
     @property
@@ -190,15 +186,16 @@ class StepStats:
 
 
 class NativePlan:
-    """One compiled plan with its own arena of activations and per-row inputs."""
+    """One compiled plan with its own arena of activations and per-row inputs. Buffers are reused once
+    dead, unless `keep_all` (for reading every layer's output afterwards)."""
 
-    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, stealable: bool, keep_all=False):
+    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False):
         e = engine
         low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table,
                        e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
-        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not (stealable or keep_all))
+        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not keep_all)
         self.arena = _native.Arena(size)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
@@ -211,7 +208,7 @@ class NativePlan:
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
         self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
-                                 e.ropes, low), rows, e.kv_ctx, e.n_slots, int(stealable), low.scratch_floats,
+                                 e.ropes, low), rows, e.kv_ctx, e.n_slots, low.scratch_floats,
                                  *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
 
 
@@ -219,7 +216,7 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
-                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 64):
+                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16):
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
@@ -240,14 +237,16 @@ class NativeEngine:
         self.negate_layer: int | None = None
         self._root = root
         self._compile()
-        self._parity = 0
-        self._last_writes: set[tuple[int, int]] = set()
         self.stats = StepStats()
         self.load_ms = (time.perf_counter() - t0) * 1e3
 
     def _compile(self) -> None:
-        self.decode_plans = [NativePlan(self, self._root, self.max_batch, self.max_batch, True) for _ in range(2)]
-        self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out, False)
+        self.decode_plan = NativePlan(self, self._root, self.max_batch, self.max_batch)
+        self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out)
+
+    @property
+    def plans(self) -> tuple[NativePlan, NativePlan]:
+        return self.decode_plan, self.prefill_plan
 
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose (its attention output changes sign), to show accuracy checks fail."""
@@ -259,14 +258,13 @@ class NativeEngine:
         compiled for this call that keeps every intermediate buffer."""
         tokens = list(tokens)
         check_span(start, len(tokens), self.n_ctx)
-        plan = NativePlan(self, self._root, len(tokens), 1, False, keep_all=True)
+        plan = NativePlan(self, self._root, len(tokens), 1, keep_all=True)
         n = len(tokens)
         plan.inputs["tokens"][:n] = tokens
         plan.inputs["slots"][:n] = slot
         plan.inputs["positions"][:n] = range(start, start + n)
         plan.inputs["row_sel"][:1] = n - 1
-        plan.plan.run(n, 1, self.pool.epoch + 1)
-        self._last_writes = {(slot, p) for p in range(start, start + n)}
+        plan.plan.run(n, 1)
         return [r[:n].copy() for r in plan.residuals]
 
     # ---- resources the lowering asks for ---------------------------------------------------------
@@ -291,25 +289,15 @@ class NativeEngine:
         positions = np.asarray(positions, dtype=np.int32)
         if positions.size and (positions.min() < 0 or positions.max() >= self.n_ctx):
             raise RequestError(f"position {int(positions.max())} is outside the context of {self.n_ctx}", param="positions")
-        if n <= self.max_batch:
-            plan = self.decode_plans[self._parity]
-            self._parity ^= 1
-        else:
-            plan = self.prefill_plan
+        plan = self.decode_plan if n <= self.max_batch else self.prefill_plan
         if n > plan.rows or n_out > plan.out_rows:
             raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows}")
-        writes = set(zip(map(int, slots), map(int, positions)))
-        epoch = self.pool.epoch
-        # A worker at most one step behind may still store into the KV cache: wait for it only when
-        # this step rewrites the positions the last step wrote (a rewound or reused slot).
-        min_epoch = epoch + 1 if writes & self._last_writes else epoch
-        self._last_writes = writes
         inp = plan.inputs
         inp["tokens"][:n] = tokens
         inp["slots"][:n] = slots
         inp["positions"][:n] = positions
         inp["row_sel"][:n_out] = out_rows
-        native_ns, wait_ns = plan.plan.run(n, n_out, min_epoch)
+        native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
         return plan.logits[:n_out].copy()
 
@@ -342,8 +330,7 @@ class NativeEngine:
 
     @property
     def ops_per_step(self) -> int:
-        return self.decode_plans[0].plan.n_ops
+        return self.decode_plan.plan.n_ops
 
     def close(self) -> None:
-        self.decode_plans = []
-        self.prefill_plan = None
+        self.decode_plan = self.prefill_plan = None
