@@ -6,4 +6,5 @@
 extern PyMethodDef kernel_methods[];      /* py_kernels.c: packing and matmul kernels */
 extern PyMethodDef plan_module_methods[]; /* py_plan.c: arenas, pools, plans */
 extern PyMethodDef validate_methods[];    /* py_validate.c: self-tests of `kiln validate` */
+extern PyMethodDef sample_methods[];      /* topk.c: top-k selection for sampling */
 int kiln_plan_add_types(PyObject *module);

@@ -4,7 +4,7 @@
 
 #include "bindings.h"
 
-static PyMethodDef *const TABLES[] = {kernel_methods, plan_module_methods, validate_methods, NULL};
+static PyMethodDef *const TABLES[] = {kernel_methods, plan_module_methods, validate_methods, sample_methods, NULL};
 
 static PyMethodDef methods[128];
 

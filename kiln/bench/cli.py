@@ -9,7 +9,11 @@ import io
 import json
 import sys
 
-SUBCOMMANDS: dict[str, str] = {}  # name → module with `add_arguments(parser)` and `main(args)`
+SUBCOMMANDS: dict[str, str] = {  # name → module with `add_arguments(parser)` and `main(args)`
+    "sweep": "kiln.bench.sweep",
+    "scenarios": "kiln.bench.scenarios",
+    "compare": "kiln.bench.compare",
+}
 
 
 def _ints(text: str) -> list[int]:

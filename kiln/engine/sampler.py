@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
 
 from kiln.errors import RequestError
+
+try:
+    from kiln import _native
+except ImportError:  # without the native core, top-k falls back to numpy's sort
+    _native = None
 
 
 @dataclass
@@ -55,7 +61,9 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParam
     window = history if p.repeat_last_n == -1 else history[len(history) - p.repeat_last_n :] if p.repeat_last_n else []
     if len(window) == 0:
         return logits
-    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    counted = Counter(window)
+    ids = np.fromiter(counted.keys(), dtype=np.int64, count=len(counted))
+    counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted))
     out = logits.copy()
     seen = out[ids]
     out[ids] = np.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
@@ -73,21 +81,41 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
+NUCLEUS_PROBE = 1024  # top-p without top-k first looks for the nucleus among this many best tokens
+
+
+def top_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values, largest first (ties: lower index first)."""
+    if _native is not None and k <= x.size // 8 and x.dtype == np.float32 and x.flags.c_contiguous:
+        return np.frombuffer(_native.topk(x, k), dtype=np.int32).astype(np.int64)
+    order = np.argsort(-x, kind="stable")
+    return order[:k]
+
+
 def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and probabilities a non-greedy sample is drawn from: temperature, then top-k, top-p
-    and min-p. With top-k set only k logits are sorted, which keeps sampling off the critical path."""
-    if 0 < p.top_k < logits.size:
-        ids = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+    """Token ids and probabilities a non-greedy sample is drawn from: temperature, then top-k, top-p and
+    min-p, best first. Only the best few logits are ever sorted, which keeps sampling off the critical path."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    n = logits.size
+    if 0 < p.top_k < n:
+        ids = top_indices(logits, p.top_k)
+    elif p.top_p < 1.0:
+        ids = top_indices(logits, min(n, NUCLEUS_PROBE))
+        scaled = logits.astype(np.float64) / p.temperature
+        top = scaled[ids[0]]
+        if np.exp(scaled[ids] - top).sum() < p.top_p * np.exp(scaled - top).sum():
+            ids = top_indices(logits, n)  # the nucleus is wider than the probe
     else:
-        ids = np.arange(logits.size)
-    scaled = logits[ids].astype(np.float64) / p.temperature
-    order = np.argsort(-scaled, kind="stable")
-    ids, probs = ids[order], softmax(scaled[order])
+        ids = None  # every token stays a candidate: no order needed
+    scaled = (logits if ids is None else logits[ids]).astype(np.float64) / p.temperature
+    probs = softmax(scaled)
+    if ids is None:
+        ids = np.arange(n)
     if p.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
         ids, probs = ids[:keep], probs[:keep]
     if p.min_p > 0.0:
-        keep = probs >= p.min_p * probs[0]
+        keep = probs >= p.min_p * probs.max()
         ids, probs = ids[keep], probs[keep]
     return ids, probs / probs.sum()
 
@@ -113,4 +141,5 @@ class Sampler:
         if self.params.temperature == 0.0:
             return int(np.argmax(logits))
         ids, probs = candidates(logits, self.params)
-        return int(self.rng.choice(ids, p=probs))
+        cumulative = np.cumsum(probs)
+        return int(ids[min(int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right")), ids.size - 1)])
