@@ -440,8 +440,9 @@ def test_show_reports_the_real_models(kiln, smollm2_path, gemma3_path):
     info = json.loads(out)
     assert (info["family"], info["quantization"], info["context_length"]) == ("gemma3", "Q4_K_M", 32768)
     assert (info["layers"], info["kv_heads"], info["head_dim"], info["chat_template"]) == (18, 1, 256, None)
-    assert info["kv_cache_bytes"] == 2 * 18 * 32768 * 1 * 256 * 4
-    assert info["footprint_bytes"] == info["kv_cache_bytes"] + info["weights_bytes"]
+    # K and V, fp16, per layer and position at the default context of 4096 (whole 2 MiB pages)
+    assert info["kv_context"] == 4096 and info["kv_cache_bytes"] == 2 * 2 * 18 * 4096 * 1 * 256
+    assert info["footprint_bytes"] == info["kv_cache_bytes"] + info["weights_bytes"] + info["working_bytes"]
 
 
 @pytest.mark.slow

@@ -122,9 +122,7 @@ def describe(record) -> dict:
         embedding = meta("embedding_length")
         head_dim = meta("attention.key_length") or (embedding // max(heads) if embedding and heads else None)
         context = int(meta("context_length", 0))
-        # KV cache: K and V, per layer, per position, fp32 — what kiln.engine.kv allocates
-        kv_bytes = 2 * context * sum(kv_heads) * int(head_dim or 0) * 4
-        weights = sum(t.nbytes for t in gguf.tensors.values())
+        memory = _footprint(record)
         n_params = sum(t.n_elements for t in gguf.tensors.values())
         template = gguf.get("tokenizer.chat_template")
         return {
@@ -143,15 +141,28 @@ def describe(record) -> dict:
             "heads": _uniform(heads),
             "kv_heads": _uniform(kv_heads),
             "head_dim": head_dim,
-            "weights_bytes": weights,
-            "kv_cache_bytes": kv_bytes,
-            "footprint_bytes": weights + kv_bytes,
+            **memory,
             "labels": record.details.get("labels", []),
             "chat_template": template,
             "source": record.source,
         }
     finally:
         gguf.close()
+
+
+def _footprint(record) -> dict:
+    """What loading the model allocates (packed weights, fp16 KV cache at the default context, working
+    buffers), or the file's bytes when the native core cannot say."""
+    from kiln.errors import KilnError
+    from kiln.validate import footprint
+
+    try:
+        fp = footprint(str(record.path), None)
+    except (KilnError, ImportError) as e:
+        return {"weights_bytes": record.path.stat().st_size, "kv_cache_bytes": None, "kv_context": None,
+                "working_bytes": None, "footprint_bytes": None, "footprint_note": str(e)}
+    return {"weights_bytes": fp["weights_bytes"], "kv_cache_bytes": fp["kv_bytes"], "kv_context": fp["n_ctx"],
+            "working_bytes": fp["working_bytes_estimate"], "footprint_bytes": fp["total_bytes"]}
 
 
 def _per_layer(value, layers: int) -> list[int]:
@@ -179,10 +190,14 @@ def cmd_show(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     types = ", ".join(f"{name} ×{count}" for name, count in info["tensor_types"].items())
-    footprint = (
-        f"{human_bytes(info['footprint_bytes'])} = weights {human_bytes(info['weights_bytes'])}"
-        f" + KV cache {human_bytes(info['kv_cache_bytes'])} ({info['context_length']} tokens, fp32)"
-    )
+    if info["footprint_bytes"] is None:
+        footprint = f"unknown ({info['footprint_note']})"
+    else:
+        footprint = (
+            f"{human_bytes(info['footprint_bytes'])} = packed weights {human_bytes(info['weights_bytes'])}"
+            f" + KV cache {human_bytes(info['kv_cache_bytes'])} ({info['kv_context']} tokens, fp16)"
+            f" + working buffers ≤ {human_bytes(info['working_bytes'])}"
+        )
     fields = [
         ("model", info["tag"]),
         ("name", info["name"]),
