@@ -73,8 +73,54 @@ static void glu_row(int kind, const float *g, const float *u, float *out, int n)
     for (int i = 0; i < n; i++) out[i] = activate(kind, g[i]) * u[i];
 }
 
-static void quantize_all(const kiln_op *op, const float *x, int n) {
-    for (int k = 0; k < op->n_act; k++) kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, n, op->act[k]);
+/* The values an int8 activation row stands for (the layout of kernels.h: per group of 256, the quants
+ * in lane order, then a scale per block of 32). */
+static void act_row_values(const uint8_t *act, int cols, float *x) {
+    for (int c = 0; c < cols; c++) {
+        int g = c / KILN_GROUP, j = c % KILN_GROUP / 32, i = c % 32;
+        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
+        float d;
+        memcpy(&d, ag + KILN_AG_D + 4 * j, sizeof d);
+        x[c] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d;
+    }
+}
+
+/* A precise activation is two int8 rows per token, x ≈ q1·d1 + q2·d2 with the second row quantizing
+ * what the first missed: about 15 bits instead of 8, for the matrices whose inputs int8 hurts most.
+ * The kernels take the pair as two tokens, so the weights are still read once. */
+static void quantize_precise(kiln_wfmt fmt, const float *x, int cols, int n, uint8_t *act, float *residual) {
+    size_t stride = kiln_act_stride(fmt, cols);
+    for (int t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * cols;
+        uint8_t *first = act + 2 * t * stride;
+        kiln_quantize_act(fmt, xt, cols, cols, 1, first);
+        act_row_values(first, cols, residual);
+        for (int c = 0; c < cols; c++) residual[c] = xt[c] - residual[c];
+        kiln_quantize_act(fmt, residual, cols, cols, 1, first + stride);
+    }
+}
+
+static void quantize_all(const kiln_plan *p, const kiln_op *op, const float *x, int n) {
+    for (int k = 0; k < op->n_act; k++) {
+        if (op->precise && kiln_act_kind(op->act_fmt[k]) == KILN_ACT_Q8)
+            quantize_precise(op->act_fmt[k], x, op->cols, n, op->act[k], scratch(p, 0));
+        else
+            kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, n, op->act[k]);
+    }
+}
+
+/* Float formats take fp32 activations, which need no second row. */
+static int paired(const kiln_op *op) { return op->precise && kiln_act_kind(op->w->fmt) == KILN_ACT_Q8; }
+
+/* Rows of a matmul's activation: two per token when they are precise. */
+static int act_rows(const kiln_op *op, int n) { return paired(op) ? 2 * n : n; }
+
+/* Fold the pair results of precise activations: y[t] = y[2t] + y[2t+1], each row n wide. */
+static void fold_pairs(const kiln_op *op, float *y, int n_tok, int n) {
+    if (!paired(op)) return;
+    for (int t = 0; t < n_tok; t++)
+        for (int i = 0; i < n; i++) y[(size_t)t * n + i] = y[(size_t)2 * t * n + i] + y[(size_t)(2 * t + 1) * n + i];
 }
 
 static int n_tiles(const kiln_wmat *w) { return w->rows_padded / 4; }
@@ -209,7 +255,8 @@ static void matmul_compute(void *ctx, int c, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *y = scratch(j->plan, thread);
-    matmul_rows(op->w, op->act[op->w_act], j->n_rows, y, r0, r1);
+    matmul_rows(op->w, op->act[op->w_act], act_rows(op, j->n_rows), y, r0, r1);
+    fold_pairs(op, y, j->n_rows, n);
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;
@@ -237,9 +284,12 @@ static void glu_compute(void *ctx, int c, int thread) {
 
 static void logits_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
+    const kiln_op *op = j->op;
     int r0, r1;
-    chunk_rows(j->op, c, &r0, &r1);
-    matmul_rows(j->op->w, j->op->act[j->op->w_act], j->n_out, scratch(j->plan, thread), r0, r1);
+    chunk_rows(op, c, &r0, &r1);
+    float *y = scratch(j->plan, thread);
+    matmul_rows(op->w, op->act[op->w_act], act_rows(op, j->n_out), y, r0, r1);
+    fold_pairs(op, y, j->n_out, r1 - r0);
 }
 
 static void logits_commit(void *ctx, int c, int thread) {
@@ -279,10 +329,10 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
             int t = op->select_rows ? p->row_sel[i] : i;
             rmsnorm(op->in + (size_t)t * op->cols, op->norm_w, op->eps, op->cols, op->out + (size_t)i * op->cols);
         }
-        quantize_all(op, op->out, n);
+        quantize_all(p, op, op->out, n);
         return 0;
     }
-    case OP_QUANT: quantize_all(op, op->in, n_rows); return 0;
+    case OP_QUANT: quantize_all(p, op, op->in, n_rows); return 0;
     case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, op->n_heads + 2 * op->n_kv_heads);
     case OP_ATTN: return kiln_pool_run(p->pool, attn_compute, attn_commit, j, p->n_blocks * op->n_kv_heads);
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));

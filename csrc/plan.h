@@ -55,7 +55,6 @@ typedef struct kiln_op {
     int n_act;
     kiln_wfmt act_fmt[MAX_ACTS];
     void *act[MAX_ACTS];
-    size_t act_stride[MAX_ACTS]; /* bytes per row */
     /* weights */
     const kiln_wmat *w, *w2; /* matmul / logits: w; glu: gate w, up w2 */
     int w_act, w2_act;       /* index into act[] each weight consumes */
@@ -78,6 +77,7 @@ typedef struct kiln_op {
     /* chunking */
     int chunk_tiles;
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
+    int precise; /* quantize ops: two int8 rows per token (see plan.c); matmul ops: consume such pairs */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

@@ -40,6 +40,7 @@ struct kiln_pool {
     _Atomic int sleepers;
     _Atomic int stop;
     _Atomic uint64_t steals;
+    _Atomic int busy[MAX_THREADS]; /* a worker is inside a job (possibly late, about to discard) */
 };
 
 int64_t kiln_now_ns(void) {
@@ -120,8 +121,10 @@ static void *worker_main(void *arg_) {
             continue;
         }
         seen = job;
+        atomic_store_explicit(&p->busy[arg.index], 1, memory_order_seq_cst);
         job_desc d = p->ring[job % RING];
         work(p, job, &d, arg.index);
+        atomic_store_explicit(&p->busy[arg.index], 0, memory_order_release);
     }
     return NULL;
 }
@@ -156,6 +159,11 @@ void kiln_pool_destroy(kiln_pool *p) {
 }
 
 int kiln_pool_threads(const kiln_pool *p) { return p->n_threads; }
+
+void kiln_pool_quiesce(kiln_pool *p) {
+    for (int i = 1; i < p->n_threads; i++)
+        while (atomic_load_explicit(&p->busy[i], memory_order_acquire)) cpu_relax();
+}
 uint64_t kiln_pool_steals(const kiln_pool *p) { return atomic_load(&p->steals); }
 
 int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn compute, kiln_chunk_fn commit, void *ctx, int n_chunks) {

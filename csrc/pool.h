@@ -23,6 +23,10 @@ int kiln_pool_threads(const kiln_pool *pool);
  * waiting for other threads (the barrier cost the tracer reports). */
 int64_t kiln_pool_run(kiln_pool *pool, kiln_chunk_fn compute, kiln_chunk_fn commit, void *ctx, int n_chunks);
 
+/* Wait until no worker is inside a job: before the memory a job's context points into is freed, since a
+ * late worker may still be computing (into its scratch) a chunk it will throw away. */
+void kiln_pool_quiesce(kiln_pool *pool);
+
 /* Chunks the caller took over because their worker stalled. */
 uint64_t kiln_pool_steals(const kiln_pool *pool);
 

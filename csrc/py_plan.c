@@ -249,6 +249,11 @@ typedef struct {
 } Plan;
 
 static void plan_dealloc(Plan *p) {
+    if (p->plan.pool) {
+        Py_BEGIN_ALLOW_THREADS
+        kiln_pool_quiesce(p->plan.pool);
+        Py_END_ALLOW_THREADS
+    }
     PyMem_Free(p->plan.ops);
     PyMem_Free(p->plan.jobs);
     PyMem_Free(p->plan.blocks);
@@ -403,15 +408,15 @@ static const struct {
     FIELD(kind, 'i'), FIELD(op_class, 'i'), FIELD(layer, 'i'), FIELD(cols, 'i'), FIELD(rows, 'i'),
     FIELD(in, 'p'), FIELD(res, 'p'), FIELD(out, 'p'), FIELD(norm_w, 'p'), FIELD(eps, 'f'), FIELD(scale, 'f'),
     FIELD(select_rows, 'i'), FIELD(n_act, 'i'), FIELD(act_fmt[0], 'i'), FIELD(act_fmt[1], 'i'),
-    FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'), FIELD(act_stride[0], 'z'),
-    FIELD(act_stride[1], 'z'), FIELD(act_stride[2], 'z'), FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
+    FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'),
+    FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
     FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
     FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
     FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
     FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),
     FIELD(qnorm.eps, 'f'), FIELD(knorm.weight, 'p'), FIELD(knorm.eps, 'f'), FIELD(rope.cos, 'p'),
     FIELD(rope.sin, 'p'), FIELD(rope.dim, 'i'), FIELD(rope.neox, 'i'), FIELD(q, 'p'), FIELD(k_cache, 'p'),
-    FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'), FIELD(negate, 'i'),
+    FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'), FIELD(negate, 'i'), FIELD(precise, 'i'),
 };
 
 static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {

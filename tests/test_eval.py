@@ -16,6 +16,8 @@ from kiln.errors import KilnError
 from kiln.eval import humaneval, kld, verify
 from kiln.eval.data import CORPORA, load_text
 
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
 # ---- statistics -----------------------------------------------------------------------------------
 
 
@@ -185,7 +187,8 @@ def test_stop_sequences_end_the_function():
 @pytest.mark.slow
 def test_moby_dick_is_fetched_verified_and_cached(tmp_path):
     text = load_text("moby-dick", home=tmp_path)
-    assert text.text.startswith("CHAPTER 1. Loomings.\n\nCall me Ishmael.") and text.sha256 == CORPORA["moby-dick"].sha256
+    assert text.text.startswith("CHAPTER 1. Loomings.\n\nCall me Ishmael.")
+    assert text.sha256 == CORPORA["moby-dick"].sha256
     cached = tmp_path / "eval" / CORPORA["moby-dick"].filename
     cached.write_text("tampered")
     assert load_text("moby-dick", home=tmp_path).sha256 == CORPORA["moby-dick"].sha256  # fetched again
@@ -207,12 +210,12 @@ def test_humaneval_data_and_canonical_solutions_pass(tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """SmolLM2 on the native engine, and the fp32 oracle on the same file (n_ctx 256)."""
+    """SmolLM2 on the native engine, and the fp32 oracle on the same file (n_ctx 512)."""
     from kiln.engine.model import load
     from kiln.eval.cli import _oracle
     from kiln.store import Store
 
-    model = load("smollm2:135m", backend="native", n_ctx=256, store=Store(home=TEST_HOME), progress=False)
+    model = load("smollm2:135m", backend="native", n_ctx=512, store=Store(home=TEST_HOME), progress=False)
     yield model, _oracle(model)
     model.close()
 
@@ -232,16 +235,25 @@ def moby_dick():
 
 @pytest.mark.slow
 def test_ppl_agrees_with_transformers(smollm2, smollm2_path, moby_dick):
+    """The default windowing (512 tokens, second half scored) on a few windows: the native engine within
+    1% of transformers' fp32 perplexity, and the oracle, which shares kiln's harness, within 1e-5."""
     from tests.reference import hf_logits
 
-    model, _ = smollm2
-    windows = kld.text_windows(model, moby_dick, 256, 3)
-    stats, nll = kld.perplexity(kld.EngineScorer(model.engine, "native"), windows)
-    hf_nll = np.concatenate([kld.token_nll(hf_logits(smollm2_path, [int(t) for t in w[:-1]])[128:],
-                                           w[129:].astype(np.int64)) for w in windows])
-    assert stats["tokens"] == len(hf_nll) == 3 * 127
-    assert stats["ppl"] == pytest.approx(np.exp(hf_nll.mean()), rel=0.01)
+    def hf_nll(windows):
+        first = windows.shape[1] // 2
+        return np.concatenate([kld.token_nll(hf_logits(smollm2_path, [int(t) for t in w[:-1]])[first:],
+                                             w[first + 1 :].astype(np.int64)) for w in windows])
+
+    model, oracle = smollm2
+    windows = kld.text_windows(model, moby_dick, 512, 3)
+    stats, _ = kld.perplexity(kld.EngineScorer(model.engine, "native"), windows)
+    reference = hf_nll(windows)
+    assert stats["tokens"] == len(reference) == 3 * 255
+    assert stats["ppl"] == pytest.approx(np.exp(reference.mean()), rel=0.01)
     assert 0 < stats["ppl_unc"] < stats["ppl"]
+    short = kld.text_windows(model, moby_dick, 128, 1)
+    exact, _ = kld.perplexity(kld.EngineScorer(oracle, "oracle"), short)
+    assert exact["ppl"] == pytest.approx(np.exp(hf_nll(short).mean()), rel=1e-5)
 
 
 class Cached:
@@ -272,33 +284,29 @@ def test_kld_is_small_for_native_and_explodes_when_a_layer_breaks(smollm2, broke
 
 
 @pytest.mark.slow
-def test_verify_passes_native_and_fails_a_broken_layer(smollm2, broken):
+def test_verify_passes_the_native_engine(smollm2):
     model, oracle = smollm2
-    prompts = verify.PROMPTS[:2]
-    result = verify.run(model, model.engine, oracle, prompts, 32)
+    result = verify.run(model, model.engine, oracle, verify.PROMPTS[:2], 16)  # `kiln eval verify` runs 32
     assert result["passed"], result["prompts"]
-    broken(0)
-    result = verify.run(model, model.engine, oracle, prompts, 8)
-    assert not result["passed"]
-    assert all(r["first_difference"] == 0 for r in result["prompts"])
-    rows = verify.diagnose(model.engine, oracle, result["sequences"][:1], model.config.n_layers)
-    assert rows[0]["residual"] == "blk.0 attn" and rows[0]["cos_mean"] < 0.9  # the broken layer shows first
-    assert len(rows) == 2 * model.config.n_layers
 
 
 @pytest.mark.slow
-def test_cli_gate_exits_1_and_records_history(smollm2_path, tmp_path, monkeypatch, capsys):
+def test_cli_gate_fails_a_broken_layer_exits_1_and_records_history(smollm2_path, tmp_path, monkeypatch, capsys):
     from kiln.bench import history
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
-    code = cli.main(["eval", "verify", str(smollm2_path), "--ctx", "128", "--steps", "4",
+    code = cli.main(["eval", "verify", str(smollm2_path), "--ctx", "128", "--steps", "4", "--diagnose",
                      "--debug-negate-layer", "0", "--json"])
     assert code == 1
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] is False and out["debug_negate_layer"] == 0
-    rows = history.query(kind="eval-verify", path=tmp_path / "history.sqlite")
-    assert len(rows) == 1 and rows[0]["model_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    assert "--debug-negate-layer 0" in rows[0]["command"]
+    assert all(r["first_difference"] == 0 and not r["passed"] for r in out["prompts"])
+    rows = out["diagnose"]
+    assert len(rows) == 60 and rows[0]["residual"] == "blk.0 attn"
+    assert rows[0]["cos_mean"] < 0.9  # the broken layer is the first to drop
+    saved = history.query(kind="eval-verify", path=tmp_path / "history.sqlite")
+    assert len(saved) == 1 and saved[0]["model_sha256"] == SMOLLM2_SHA256
+    assert "--debug-negate-layer 0" in saved[0]["command"] and saved[0]["payload"]["passed"] is False
 
 
 @pytest.mark.slow

@@ -85,6 +85,9 @@ class Lowering:
         self.consumers: dict[Node, set[int]] = {}  # node → weight formats that read it
         self.scratch_floats = 1
         self.logits: Buf | None = None
+        # Inputs whose int8 quantization costs the most accuracy (the output head's, and the down
+        # projection's after the GLU) get precise two-row activations: see csrc/plan.c.
+        self.precise: set[Node] = set()
 
     # ---- public ----------------------------------------------------------------------------------
     def lower(self, root: Node) -> None:
@@ -104,6 +107,8 @@ class Lowering:
         reads = {"linear": ["weight"], "glu": ["gate", "up"], "logits": ["weight"]}.get(node.kind, [])
         for key in reads:
             self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(node.params[key]))
+        if node.kind == "logits" or (node.kind == "linear" and node.inputs[0].kind == "glu"):
+            self.precise.add(node.inputs[0])
         for child in node.inputs:
             self._note_consumers(child, seen)
 
@@ -145,9 +150,12 @@ class Lowering:
         """Quantized copies of `node`'s value, one per activation layout its consumers read."""
         if node not in self.acts:
             width = self._width(node)
-            bufs = {kind: (fmt, Buf(self.n.act_size(fmt, width, self.rows)))
+            rows = 2 * self.rows if node in self.precise else self.rows
+            bufs = {kind: (fmt, Buf(self.n.act_size(fmt, width, rows)))
                     for kind, fmt in self._layouts(self.consumers.get(node, ())).items()}
             fields = self._act_fields(bufs, width)
+            fields["precise"] = int(node in self.precise)
+            self._scratch(width)  # precise quantization keeps a residual row in the caller's scratch
             if node.kind == "rmsnorm" and node.params["heads"] == 1:
                 self._emit(kind=self.n.OP_NORM_QUANT, op_class=2, **fields, in_=self.value(node.inputs[0]),
                            out=self._floats(width), norm_w=self.weights.vector(node.params["weight"]),
@@ -162,7 +170,6 @@ class Lowering:
         for i, (fmt, buf) in enumerate(bufs.values()):
             fields[f"act_fmt[{i}]"] = fmt
             fields[f"act[{i}]"] = buf
-            fields[f"act_stride[{i}]"] = buf.nbytes // self.rows
         return fields
 
     def _act_index(self, node: Node, weight: str) -> tuple[dict, int]:
@@ -214,10 +221,11 @@ class Lowering:
         w = self.weights.matrix(linear.params["weight"])
         acts, idx = self._act_index(linear.inputs[0], linear.params["weight"])
         fields = self._act_fields(acts, self._width(linear.inputs[0]))
+        precise = linear.inputs[0] in self.precise
         chunk = self._chunk_tiles(w)
-        self._scratch(self.rows * chunk * 4)
+        self._scratch((2 if precise else 1) * self.rows * chunk * 4)
         self._emit(kind=self.n.OP_MATMUL, op_class=0, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
-                   out=out, res=res, chunk_tiles=chunk)
+                   out=out, res=res, chunk_tiles=chunk, precise=int(precise))
 
     def _value_glu(self, node: Node) -> Buf:
         gate, up = (self.weights.matrix(node.params[k]) for k in ("gate", "up"))
@@ -290,15 +298,15 @@ class Lowering:
         w = self.weights.matrix(node.params["weight"])
         fmt = w.layout["fmt"]
         width = self._width(x)
-        act = Buf(self.n.act_size(fmt, width, self.out_rows))
-        fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act,
-                  "act_stride[0]": act.nbytes // self.out_rows}
+        act = Buf(self.n.act_size(fmt, width, 2 * self.out_rows))
+        fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act, "precise": 1}
+        self._scratch(width)
         self._emit(kind=self.n.OP_NORM_QUANT, op_class=3, **fields, select_rows=1, in_=self.value(x.inputs[0]),
                    out=self._floats(width, self.out_rows), norm_w=self.weights.vector(x.params["weight"]),
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
-        self._scratch(self.out_rows * self._chunk_tiles(w) * 4)
+        self._scratch(2 * self.out_rows * self._chunk_tiles(w) * 4)
         self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, rows=vocab, w=w.address, w_act=0,
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 

@@ -25,7 +25,7 @@ def register(sub) -> None:
     k.add_argument("--reference", choices=["oracle", "transformers"], default="oracle",
                    help="the reference: kiln's fp32 numpy oracle (default) or transformers fp32 on the same GGUF")
     k.add_argument("--save-reference", metavar="PATH", help="also save the reference's top-k log-probs here")
-    k.add_argument("--save-top-k", type=_positive, default=1024, help="log-probs a saved token keeps (default 1024)")
+    k.add_argument("--save-top-k", type=_positive, help="log-probs a saved token keeps (default 1024)")
     k.add_argument("--reference-file", metavar="PATH",
                    help="compare against a saved reference (it holds its own tokens: no --text)")
     _debug_args(k)
@@ -156,7 +156,8 @@ def cmd_kld(args) -> int:
     t0 = time.perf_counter()
     if args.reference_file:
         if args.text or args.save_reference:
-            raise KilnError("--reference-file holds its own tokens and reference: don't pass --text or --save-reference")
+            raise KilnError("--reference-file holds its own tokens and reference: "
+                            "don't pass --text or --save-reference")
         ref_file = kld.ReferenceFile(Path(args.reference_file))
         windows = ref_file.windows
         meta = ref_file.meta
@@ -184,7 +185,7 @@ def cmd_kld(args) -> int:
     if args.save_reference:
         meta = {"model": model.tag, "model_sha256": sha, "reference": reference_name, "text": text_source,
                 "text_sha256": text_sha, "ctx": int(windows.shape[1]), "n_vocab": model.config.vocab_size}
-        writer = kld.ReferenceWriter(Path(args.save_reference), meta, windows, args.save_top_k)
+        writer = kld.ReferenceWriter(Path(args.save_reference), meta, windows, args.save_top_k or kld.TOP_K)
     _progress(f"kiln eval kld: {model.tag}, {args.backend} vs {reference_name}, {len(windows)} windows of "
               f"{windows.shape[1]} tokens, scoring the last {windows.shape[1] - 1 - windows.shape[1] // 2} of each")
     run = kld.KLDRun(windows, kld.EngineScorer(model.engine, args.backend), reference, ref_file, writer, _progress)
@@ -200,7 +201,8 @@ def cmd_kld(args) -> int:
     payload = {**_describe(model, args), "reference": reference_name, "text": text_source, "text_sha256": text_sha,
                "ctx": int(windows.shape[1]), "windows": len(windows), "scored": "second half of each window",
                "kld_method": method, "debug_negate_layer": args.debug_negate_layer,
-               "seconds": {k: round(v, 2) for k, v in run.seconds.items()} | {"total": round(time.perf_counter() - t0, 2)},
+               "seconds": {**{k: round(v, 2) for k, v in run.seconds.items()},
+                           "total": round(time.perf_counter() - t0, 2)},
                **stats}
     head = (f"{model.tag}: {args.backend} vs {reference_name}, {len(windows)} windows × {windows.shape[1]} tokens "
             f"({stats['tokens']} scored), text {text_source}, KLD {method}\n\n")
@@ -243,7 +245,8 @@ def cmd_verify(args) -> int:
         rows = verify.diagnose(model.engine, reference, sequences, model.config.n_layers)
         result["diagnose"] = rows
         lines += ["", f"{'residual':<14} {'cos mean':>12} {'cos min':>12} {'rel err':>10}"]
-        lines += [f"{r['residual']:<14} {r['cos_mean']:12.8f} {r['cos_min']:12.8f} {r['rel_err_mean']:10.2e}" for r in rows]
+        lines += [f"{r['residual']:<14} {r['cos_mean']:12.8f} {r['cos_min']:12.8f} {r['rel_err_mean']:10.2e}"
+                  for r in rows]
     payload = {**_describe(model, args), "reference": "oracle", "full": args.full,
                "debug_negate_layer": args.debug_negate_layer, "seconds": round(time.perf_counter() - t0, 2), **result}
     _finish(args, "eval-verify", payload, "\n".join(lines) + "\n", _model_sha256(model))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -278,9 +277,7 @@ class ReferenceWriter:
 
     def __init__(self, path: Path, meta: dict, windows: np.ndarray, top_k: int = TOP_K):
         self.path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent or ".")
-        os.close(fd)
-        self.tmp = Path(tmp)
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.zip = zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED)
         self.top_k = top_k
         meta = dict(meta, format=FORMAT, version=FORMAT_VERSION, top_k=top_k, windows=len(windows))

@@ -109,7 +109,8 @@ def run(model, cand_engine, ref_engine, prompts: list[str], steps: int, progress
     for i, prompt in enumerate(prompts):
         ids = tok.encode(prompt)
         if len(ids) + steps > model.n_ctx:
-            raise KilnError(f"prompt {i + 1} is {len(ids)} tokens; with {steps} steps it exceeds the context {model.n_ctx}")
+            raise KilnError(f"prompt {i + 1} is {len(ids)} tokens; with {steps} steps it exceeds the context "
+                            f"{model.n_ctx}")
         cand, ref = greedy(cand_engine, ids, steps), greedy(ref_engine, ids, steps)
         verdict = compare(cand, ref)
         verdict.update(prompt=prompt, candidate=tok.decode(cand.tokens), reference=tok.decode(ref.tokens))
