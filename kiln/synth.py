@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -108,10 +109,15 @@ def _tensor(rng, shape, scale):
 
 
 def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, embed_qtype: QT | None = None,
-                      seed: int = 0, **overrides) -> Path:
-    """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`."""
+                      seed: int = 0, tokenizer_from: str | Path | None = None, **overrides) -> Path:
+    """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`.
+    `tokenizer_from`: copy that GGUF's tokenizer (and so its vocabulary size), e.g. to make a draft model
+    for it."""
     if isinstance(shape, str):
         shape = SHAPES[shape]
+    tokenizer = _tokenizer_fields(tokenizer_from) if tokenizer_from is not None else None
+    if tokenizer is not None:
+        overrides["vocab_size"] = len(tokenizer["tokenizer.ggml.tokens"][0])
     shape = replace(shape, **overrides)
     rng = np.random.default_rng(seed)
     path = Path(path)
@@ -128,7 +134,10 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
-    if a == "gemma3":
+    if tokenizer is not None:
+        for key, (value, vtype, sub_type) in tokenizer.items():
+            w.add_key_value(key, value, vtype, sub_type)
+    elif a == "gemma3":
         w.add_sliding_window(shape.sliding_window)
         tokens, scores, types = spm_vocab(shape.vocab_size, rng)
         w.add_tokenizer_model("llama")
@@ -192,6 +201,35 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _tokenizer_fields(path: str | Path) -> dict:
+    """Every tokenizer.* key of a GGUF file as (value, type, element type). kiln's reader keeps Python
+    values, so scalar ints are written back as uint32, the type of every token id key."""
+    from kiln.gguf import _NUMPY_DTYPES, GGUFFile
+
+    element = {np.dtype(d): t for t, d in _NUMPY_DTYPES.items()}
+    g = GGUFFile(path)
+    try:
+        fields = {}
+        for key, value in g.metadata.items():
+            if not key.startswith("tokenizer."):
+                continue
+            if isinstance(value, np.ndarray):
+                fields[key] = (value.tolist(), VT.ARRAY, element[value.dtype])
+            elif isinstance(value, str):
+                fields[key] = (value, VT.STRING, None)
+            elif isinstance(value, bool):
+                fields[key] = (value, VT.BOOL, None)
+            elif isinstance(value, int):
+                fields[key] = (value, VT.UINT32, None)
+            elif isinstance(value, float):
+                fields[key] = (value, VT.FLOAT32, None)
+            else:  # an array of strings
+                fields[key] = (list(value), VT.ARRAY, VT.STRING)
+        return fields
+    finally:
+        g.close()
 
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:

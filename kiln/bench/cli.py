@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, str] = {  # name → module with `add_arguments(parser)` 
     "sweep": "kiln.bench.sweep",
     "scenarios": "kiln.bench.scenarios",
     "compare": "kiln.bench.compare",
+    "spec": "kiln.bench.spec",
 }
 
 

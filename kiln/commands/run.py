@@ -20,6 +20,7 @@ def register(sub) -> None:
     p.add_argument("model", nargs="?", default=None, help="tag (e.g. smollm2:135m) or path to a .gguf")
     p.add_argument("prompt", nargs="*", help="prompt for a one-shot answer")
     add_generation_args(p)
+    add_draft_args(p)
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--verbose", action="store_true", help="print timing stats after each answer")
@@ -40,6 +41,28 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
 
 
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    # Ranges are checked by SpecOptions, so registering the command does not import the engine.
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", metavar="MODE",
+                   help="none, lookup (draft tokens by prompt lookup) or model (with --draft-model): drafts the "
+                        "model checks in one pass (default: model with --draft-model, else none)")
+    g.add_argument("--draft-model", metavar="TAG", help="a smaller model with the same vocabulary that drafts tokens")
+    g.add_argument("--draft-max", type=int, metavar="K", help="most draft tokens per pass (default 8)")
+    g.add_argument("--ngram", type=int, metavar="N", help="longest n-gram prompt lookup matches (default 4)")
+
+
+def spec_from_args(args):
+    """The speculative decoding options the flags ask for; errors name the flag."""
+    from kiln.engine.speculative import SpecOptions
+
+    mode = args.draft or ("model" if args.draft_model else "none")
+    if mode == "model" and not args.draft_model:
+        raise KilnError("--draft model needs --draft-model TAG")
+    return SpecOptions().replace(("--draft", "--draft-max", "--ngram"), mode=mode, max=args.draft_max,
+                                 ngram=args.ngram)
+
+
 def sampling_from_args(args, defaults: dict):
     """Ollama's defaults, then the model's own (from the catalog), then the command line."""
     from kiln.engine.sampler import SamplingParams
@@ -52,8 +75,11 @@ def sampling_from_args(args, defaults: dict):
 class Chat:
     """A conversation on one KV slot; each turn reuses the KV of the prefix it shares with the last."""
 
-    def __init__(self, model, params, num_predict, system, raw):
+    def __init__(self, model, params, num_predict, system, raw, spec=None, drafter=None):
+        from kiln.engine.speculative import SpecOptions
+
         self.model, self.params, self.num_predict, self.system, self.raw = model, params, num_predict, system, raw
+        self.spec, self.drafter = spec or SpecOptions(), drafter  # speculative decoding, and the draft model
         self.messages: list[dict] = []
         self.slot_tokens: list[int] = []
         self.verbose = False
@@ -71,11 +97,13 @@ class Chat:
     def ask(self, text: str, out=sys.stdout) -> None:
         from kiln.engine.generate import common_prefix, generate
         from kiln.engine.sequence import Sequence, plan_budget
+        from kiln.engine.speculative import speculation
 
         m = self.model
         ids = self.prompt_ids(text)
         budget = plan_budget(len(ids), self.num_predict, m.n_ctx)
-        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids)
+        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids,
+                       speculation=speculation(self.spec, self.drafter, "--draft"))
         cached = common_prefix(self.slot_tokens, ids)
         self.slot_tokens = []  # until the answer completes, the slot's contents are unknown
         for piece in generate(m.engine, seq, cached=cached):
@@ -102,6 +130,10 @@ def print_stats(seq, model, file) -> None:
         f"finish reason:   {seq.finish_reason}",
         file=file,
     )
+    if t.draft_tokens:
+        print(f"draft:           {t.draft_accepted} of {t.draft_tokens} tokens accepted "
+              f"({100.0 * t.draft_accepted / t.draft_tokens:.1f}%), "
+              f"{(t.completion_tokens - 1) / max(t.decode_passes, 1):.2f} tokens per pass", file=file)
 
 
 def cmd_run(args) -> int:
@@ -111,8 +143,16 @@ def cmd_run(args) -> int:
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    spec = spec_from_args(args)
     model = load(args.model or DEFAULT_MODEL, backend=args.backend, n_ctx=args.ctx_len, threads=args.threads)
-    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, args.system, args.raw)
+    drafter = None
+    if spec.mode == "model":
+        from kiln.engine.speculative import ModelDrafter
+
+        draft = load(args.draft_model, backend=args.backend, n_ctx=model.n_ctx, threads=args.threads)
+        drafter = ModelDrafter(draft, model)
+    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, args.system, args.raw, spec,
+                drafter)
     chat.verbose = args.verbose
     if prompt:
         chat.ask(prompt)

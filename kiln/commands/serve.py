@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from kiln.commands.run import add_draft_args, spec_from_args
+
 DEFAULT_PORT = 11500
 
 
@@ -30,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_draft_args(p)  # the defaults; a request may choose its own mode, max and ngram
     p.set_defaults(func=cmd_serve)
 
 
@@ -48,11 +51,13 @@ def cmd_serve(args) -> int:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
-                        threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk)
+                        threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
+                        speculative=spec_from_args(args), draft_model=args.draft_model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store()
-    if args.model:  # pull before binding the port, so a bad tag fails here with the store's message
-        store.ensure(args.model, progress=True)
+    for ref in (args.model, args.draft_model):  # pull before binding the port, so a bad tag fails here
+        if ref:
+            store.ensure(ref, progress=True)
     failures: list[Exception] = []
 
     def fatal(error: Exception) -> None:

@@ -2,16 +2,19 @@
 schedule → run → postprocess.
 
 - schedule: drop cancelled requests, admit waiting ones into free slots, then build one batch: a decode
-  row for every running sequence (up to the engine's decode batch, least recently stepped first) plus at
-  most one chunk of one prompt still being prefilled. A long prompt advances a chunk per step while the
-  other streams keep decoding, so it never freezes them.
+  row for every running sequence (up to the engine's decode batch, least recently stepped first), each
+  followed by the draft tokens of a speculating sequence while the step has rows for them, plus at most
+  one chunk of one prompt still being prefilled. A long prompt advances a chunk per step while the other
+  streams keep decoding, so it never freezes them.
 - run: one `engine.step` for the whole batch.
-- postprocess: sample the rows that return logits, hand released text to each request's sink, retire
+- postprocess: sample the rows that return logits (a speculating sequence takes the draft tokens the
+  target accepts, then one of its own), hand released text to each request's sink token by token, retire
   finished sequences and remember what their slots now hold.
 
 Prompt cache: every slot remembers the tokens its KV holds. A new request takes the free slot whose
 tokens share the longest prefix with its prompt (chat clients and agents resend their history) and
-prefills only the rest; the last prompt token is always recomputed, since its logits are needed.
+prefills only the rest; the last prompt token is always recomputed, since its logits are needed. Rejected
+draft tokens leave KV behind them, which a slot never counts as held (later passes overwrite it).
 
 Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
@@ -30,6 +33,7 @@ import numpy as np
 
 from kiln.engine.generate import common_prefix
 from kiln.engine.sequence import Sequence
+from kiln.engine.speculative import Draft, draft_limit, propose, verify
 from kiln.errors import KilnError
 
 log = logging.getLogger("kiln.scheduler")
@@ -74,18 +78,21 @@ class Batch:
     slots: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     out_rows: list[int] = field(default_factory=list)
-    out: list[Request] = field(default_factory=list)  # whose logits come back, in out_rows order
+    # Whose logits come back, in out_rows order: a prompt's last row (no draft), or a decode step's last
+    # token and draft, one row each.
+    out: list[tuple[Request, Draft | None]] = field(default_factory=list)
     fed: list[tuple[Request, int]] = field(default_factory=list)  # tokens each request feeds this step
 
-    def add(self, req: Request, tokens: list[int], logits: bool) -> None:
+    def add(self, req: Request, tokens: list[int], n_out: int, draft: Draft | None = None) -> None:
+        """Feed `tokens` for `req`; the last `n_out` of them return logits."""
         start = req.fed
         self.tokens += tokens
         self.slots += [req.seq.slot] * len(tokens)
         self.positions += range(start, start + len(tokens))
         self.fed.append((req, len(tokens)))
-        if logits:
-            self.out_rows.append(len(self.tokens) - 1)
-            self.out.append(req)
+        if n_out:
+            self.out_rows += range(len(self.tokens) - n_out, len(self.tokens))
+            self.out.append((req, draft))
 
 
 class Scheduler:
@@ -94,6 +101,7 @@ class Scheduler:
         # The native engine's plan limits; the oracle has none, so it gets the same shape of batches.
         self.max_rows = getattr(engine, "prefill_rows", 128)
         self.max_decode = getattr(engine, "max_batch", 16)
+        self.max_out = getattr(engine, "max_out", self.max_rows)
         self.chunk = min(prefill_chunk or self.max_rows, self.max_rows)
         self.n_slots, self.n_ctx, self.max_queue = n_slots, engine.n_ctx, max_queue
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -168,15 +176,39 @@ class Scheduler:
                 self._admit(self.waiting.popleft())
         batch = Batch()
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.last_step)
-        for req in decoding[: self.max_decode]:
-            batch.add(req, [req.seq.output_ids[-1]], logits=True)
+        decoding = decoding[: self.max_decode]
+        for req, draft in zip(decoding, self._drafts(decoding)):
+            if draft is not None:
+                batch.add(req, [req.seq.output_ids[-1], *draft.tokens], 1 + len(draft.tokens), draft)
         budget = min(self.chunk, self.max_rows - len(batch.tokens))
         prefill = next((r for r in self.running if r.prefilling), None)
         if prefill is not None and budget > 0:
             prompt = prefill.seq.prompt_ids
             chunk = prompt[prefill.fed : prefill.fed + budget]
-            batch.add(prefill, chunk, logits=prefill.fed + len(chunk) == len(prompt))
+            batch.add(prefill, chunk, int(prefill.fed + len(chunk) == len(prompt)))
         return batch
+
+    def _drafts(self, decoding: list[Request]) -> list[Draft | None]:
+        """Each decoding request's draft (empty when it does not speculate), sized to the rows and logits
+        one step can take with a prompt's last row to spare; None for one whose drafter failed."""
+        rows, outs = self.max_rows - len(decoding), self.max_out - len(decoding) - 1
+        jobs = []
+        for i, req in enumerate(decoding):
+            k = min(draft_limit(req.seq), rows, outs)
+            if k > 0:
+                jobs.append((i, k))
+                rows, outs = rows - k, outs - k
+        drafts: list[Draft | None] = [Draft([]) for _ in decoding]
+        try:
+            for (i, _), draft in zip(jobs, propose([(decoding[i].seq, k) for i, k in jobs])):
+                drafts[i] = draft
+        except Exception as e:  # a failed draft model fails the requests it drafts for, not the others
+            log.exception("drafting failed")
+            with self._cv:
+                for i, _ in jobs:
+                    self._retire(decoding[i], "error", f"drafting failed: {type(e).__name__}: {e}")
+                    drafts[i] = None
+        return drafts
 
     def run(self, batch: Batch) -> np.ndarray | None:
         try:
@@ -193,18 +225,32 @@ class Scheduler:
             req.fed += n
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
-        for req, row in zip(batch.out, logits):
+        start = 0
+        for req, draft in batch.out:
             seq = req.seq
+            rows = logits[start : start + (1 if draft is None else 1 + len(draft.tokens))]
+            start += len(rows)
             try:
-                if not seq.output_ids:
+                if draft is None:  # a prompt's last row: the first token
                     seq.timings.prefill_ms = (time.perf_counter() - seq.started) * 1e3
-                text = seq.append(seq.sample(row))
+                    tokens = [seq.sample(rows[0])]
+                else:
+                    tokens = verify(seq, draft, rows)
             except Exception as e:  # e.g. a grammar that allows no token: fail this request, not the batch
                 log.exception("sampling failed")
                 with self._cv:
                     self._retire(req, "error", f"sampling failed: {type(e).__name__}: {e}")
                 continue
-            req.sink(Token(text, seq.token_logprobs[-1] if seq.logprobs is not None else None))
+            appended = 0
+            for token in tokens:  # one by one, so stop strings, stop tokens and max_tokens cut the draft short
+                text = seq.append(token)
+                appended += 1
+                record = seq.token_logprobs[len(seq.output_ids) - 1] if seq.logprobs is not None else None
+                req.sink(Token(text, record))
+                if seq.finished:
+                    break
+            if draft is not None:  # the slot holds the KV of the accepted draft tokens, not the rejected ones
+                req.fed -= len(draft.tokens) - min(appended, len(tokens) - 1)
             if seq.finished:
                 with self._cv:
                     self._retire(req, seq.finish_reason)

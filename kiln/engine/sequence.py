@@ -28,6 +28,9 @@ class Timings:
     ttft_ms: float = 0.0  # from the start of processing to the first token sampled (queue wait excluded)
     decode_ms: float = 0.0  # from the first token to the last
     total_ms: float = 0.0
+    decode_passes: int = 0  # target passes after the first token (one per token without speculation)
+    draft_tokens: int = 0  # tokens proposed by speculative decoding
+    draft_accepted: int = 0  # of those, accepted by the target
 
     @property
     def prefill_tps(self) -> float:
@@ -52,6 +55,9 @@ class Timings:
             "total_ms": round(self.total_ms, 3),
             "prefill_tps": round(self.prefill_tps, 2),
             "decode_tps": round(self.decode_tps, 2),
+            "decode_passes": self.decode_passes,
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted": self.draft_accepted,
         }
 
 
@@ -85,6 +91,7 @@ class Sequence:
     slot: int = 0
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     constraint: object | None = None  # a grammar matcher (structured output) with allowed()/consume()
+    speculation: object | None = None  # kiln.engine.speculative.Speculation: who drafts tokens, how many
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
@@ -113,12 +120,17 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, ahead: list[int] = ()) -> int:
+        """The next token; `ahead` are tokens a speculative pass accepted but not yet appended, which the
+        penalties must see."""
         allowed = self.constraint.allowed() if self.constraint is not None else None
-        token = self.sampler(logits, self.all_ids, allowed)
+        token = self.sampler(logits, self.all_ids + list(ahead), allowed)
+        self.note_logprob(logits, token)
+        return token
+
+    def note_logprob(self, logits: np.ndarray, token: int) -> None:
         if self.logprobs is not None:
             self.token_logprobs.append(_logprob_record(logits, token, self.logprobs, self.tokenizer))
-        return token
 
     def append(self, token: int) -> str:
         """Record a sampled token; return the text it releases (maybe empty)."""
@@ -162,6 +174,7 @@ class Sequence:
     def finish(self, reason: str) -> None:
         if not self.finished:
             self.finish_reason = reason
+        del self.token_logprobs[len(self.output_ids):]  # a speculative pass noted tokens a stop then dropped
         self.timings.total_ms = (time.perf_counter() - self.started) * 1e3
 
 

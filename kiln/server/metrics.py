@@ -16,6 +16,9 @@ class Metrics:
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests, cached ones included", registry=r)
         self.cached_tokens = Counter("kiln_prompt_cached_tokens", "Prompt tokens reused from the KV cache", registry=r)
         self.generated_tokens = Counter("kiln_generated_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter("kiln_draft_tokens", "Tokens proposed by speculative decoding", registry=r)
+        self.draft_accepted = Counter("kiln_draft_accepted_tokens", "Proposed tokens the target model accepted",
+                                      registry=r)
         self.requests = Counter("kiln_requests", "Generation requests by API and how they ended", ["api", "finish_reason"],
                                 registry=r)
         self.rejected = Counter("kiln_requests_rejected", "Requests turned away before generating", ["reason"], registry=r)
@@ -46,6 +49,8 @@ class Metrics:
         self.prompt_tokens.inc(t.prompt_tokens)
         self.cached_tokens.inc(t.cached_tokens)
         self.generated_tokens.inc(t.completion_tokens)
+        self.draft_tokens.inc(t.draft_tokens)
+        self.draft_accepted.inc(t.draft_accepted)
         self.queue_wait.observe(t.queue_ms / 1e3)
         self.duration.observe((t.queue_ms + t.total_ms) / 1e3)
         if t.completion_tokens:

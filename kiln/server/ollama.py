@@ -1,7 +1,13 @@
 """Ollama's API (/api): chat, generate and model management, translated to and from `runtime.Job`.
 
 Streaming is newline-delimited JSON, on by default as in Ollama. Final objects carry Ollama's durations
-in nanoseconds plus kiln's `timings` (queue wait, TTFT, cached prompt tokens, prefill and decode tok/s).
+in nanoseconds plus kiln's `timings` (queue wait, TTFT, cached prompt tokens, prefill and decode tok/s,
+draft tokens proposed and accepted).
+
+Speculative decoding per request, in `options` (kiln's own): `draft` none, lookup (prompt lookup) or
+model (the server's --draft-model), `draft_max` (most draft tokens per pass), `draft_ngram` (longest
+n-gram prompt lookup matches); unset ones take the server's defaults. Requests under a grammar (`format`,
+a forced tool call) never speculate.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
+from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.errors import KilnError, RequestError, StoreError
 from kiln.server.openai import Tool
 from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
@@ -53,6 +60,10 @@ class Options(BaseModel):
     num_predict: int | None = Field(None, description="most tokens to generate; negative: until the context is full")
     stop: list[str] | str | None = None
     num_ctx: int | None = Field(None, description="ignored: every request gets the server's --ctx-len")
+    draft: Literal["none", "lookup", "model"] | None = Field(
+        None, description="kiln: speculative decoding by prompt lookup or the server's --draft-model")
+    draft_max: int | None = Field(None, ge=1, le=MAX_DRAFT, description="kiln: most draft tokens per pass")
+    draft_ngram: int | None = Field(None, ge=1, le=MAX_NGRAM, description="kiln: longest n-gram prompt lookup matches")
 
 
 class ToolCallFunction(_Model):
@@ -99,7 +110,10 @@ class _Generation(_Model):
                 "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
                 "keep_alive": DEFAULT if self.keep_alive is None else parse_keep_alive(self.keep_alive),
                 "json": bool(self.format), "schema": self.format if isinstance(self.format, dict) else None,
-                "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+                "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "speculative": {k: v for k, v in (("mode", o.draft), ("max", o.draft_max), ("ngram", o.draft_ngram))
+                                if v is not None},
+                "speculative_params": ("options.draft", "options.draft_max", "options.draft_ngram")}
 
 
 class ChatRequest(_Generation):

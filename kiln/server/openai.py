@@ -2,7 +2,13 @@
 
 Beyond OpenAI's fields every response carries kiln's timings: `usage.prompt_tokens_details.cached_tokens`
 and a `timings` object with llama-server's names (`cache_n`, `prompt_n`, `prompt_per_second`,
-`predicted_per_second`, ...) plus kiln's own (`queue_ms`, `ttft_ms`, `load_ms`, ...).
+`predicted_per_second`, `draft_n`, `draft_n_accepted`, ...) plus kiln's own (`queue_ms`, `ttft_ms`,
+`load_ms`, ...).
+
+Speculative decoding per request, an extra body field (the OpenAI SDKs pass it with `extra_body`):
+`"speculative": {"mode": "lookup", "max": 8, "ngram": 3}`. `mode` is none, lookup (prompt lookup) or
+model (the server's --draft-model); omitted fields take the server's defaults (kiln serve --draft,
+--draft-max, --ngram). Requests under a grammar (response_format, a forced tool call) never speculate.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
+from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.errors import KilnError, ModelNotFoundError, RequestError
 from kiln.server.runtime import Delta, Final, Job, Runtime
 
@@ -93,6 +100,13 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class Speculative(_Model):
+    mode: Literal["none", "lookup", "model"] | None = Field(
+        None, description="none, lookup (draft by prompt lookup) or model (the server's --draft-model)")
+    max: int | None = Field(None, ge=1, le=MAX_DRAFT, description="most draft tokens per pass")
+    ngram: int | None = Field(None, ge=1, le=MAX_NGRAM, description="longest n-gram prompt lookup matches")
+
+
 class _Sampling(_Model):
     model: str = Field(description="an installed model tag, e.g. smollm2:135m")
     stream: bool = False
@@ -107,6 +121,8 @@ class _Sampling(_Model):
     seed: int | None = Field(None, description="a negative seed means random, as in Ollama")
     stop: str | list[str] | None = None
     n: int = Field(1, description="kiln generates one choice per request")
+    speculative: Speculative | None = Field(None, description="kiln extension: speculative decoding; omitted "
+                                                              "fields take the server's defaults")
 
     def job_fields(self) -> dict:
         if self.n != 1:
@@ -115,7 +131,8 @@ class _Sampling(_Model):
                                                   "presence_penalty", "frequency_penalty")}
         sampling["seed"] = self.seed if self.seed is not None and self.seed >= 0 else None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop}
+        speculative = self.speculative.model_dump(exclude_none=True) if self.speculative else {}
+        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop, "speculative": speculative}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -278,7 +295,8 @@ def timings(final: Final) -> dict:
             "prompt_per_second": round(t.prefill_tps, 2), "predicted_n": t.completion_tokens,
             "predicted_ms": round(t.decode_ms, 3),
             "predicted_per_token_ms": round(t.decode_ms / steps, 3) if steps else 0.0,
-            "predicted_per_second": round(t.decode_tps, 2), **t.as_dict()}
+            "predicted_per_second": round(t.decode_tps, 2), "draft_n": t.draft_tokens,
+            "draft_n_accepted": t.draft_accepted, **t.as_dict()}
 
 
 def _chat_logprob(record: dict) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.scheduler import Finished, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence, plan_budget
+from kiln.engine.speculative import ModelDrafter, SpecOptions
 from kiln.errors import ContextLengthError, ModelNotFoundError, RequestError
 from kiln.server import tools as toolcalls
 from kiln.server.metrics import Metrics
@@ -37,6 +38,8 @@ class Settings:
     threads: int | None = None
     backend: str = "auto"
     prefill_chunk: int | None = None
+    speculative: SpecOptions = field(default_factory=SpecOptions)  # what requests that do not say get
+    draft_model: str | None = None  # loaded beside every model, to draft for it (mode "model")
 
 
 @dataclass
@@ -59,10 +62,12 @@ class Job:
     schema: dict | None = None  # with `json`: the JSON schema the output must match (None: any object)
     json: bool = False
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever
+    speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
     # which request fields these are, for error messages
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
     format_param: str = "response_format"
+    speculative_params: tuple[str, str, str] = ("speculative.mode", "speculative.max", "speculative.ngram")
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Loaded:
     record: object  # kiln.store.ModelRecord
     expires_at: float | None = None  # wall clock; None while busy or when kept forever
     active: int = 0
+    drafter: ModelDrafter | None = None  # the server's --draft-model, loaded for this model
 
     @property
     def tag(self) -> str:
@@ -210,18 +216,30 @@ class Runtime:
             ref = str(record.path) if record.sha256 is None else record.tag
             model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=s.ctx_len, n_slots=s.parallel,
                                             threads=s.threads, store=self.store, progress=False)
+            drafter = None
+            if s.draft_model:
+                try:
+                    drafter = await asyncio.to_thread(load_drafter, s.draft_model, model, s, self.store)
+                except BaseException:
+                    model.close()
+                    raise
         finally:
             self.loading = None
         scheduler = Scheduler(model.engine, s.parallel, s.max_queue, s.prefill_chunk)
         scheduler.start()
-        self.loaded = Loaded(model, scheduler, record)
+        self.loaded = Loaded(model, scheduler, record, drafter=drafter)
         log.info("loaded %s (%s engine, %d slots of %d tokens) in %.0f ms", record.tag, model.engine.name,
                  s.parallel, model.n_ctx, model.load_ms)
+        if drafter is not None:
+            log.info("drafting for %s with %s (%.0f ms to load)", record.tag, drafter.model.tag,
+                     drafter.model.load_ms)
 
     async def _unload(self) -> None:
         loaded, self.loaded = self.loaded, None
         await asyncio.to_thread(loaded.scheduler.stop)
         loaded.model.close()
+        if loaded.drafter is not None:
+            loaded.drafter.model.close()
         log.info("unloaded %s", loaded.tag)
 
     # --- generation --------------------------------------------------------------------------------------
@@ -230,7 +248,8 @@ class Runtime:
         loaded = await self.acquire(job.model)
         try:
             load_ms = (time.perf_counter() - t0) * 1e3
-            seq, parser = await asyncio.to_thread(prepare, loaded.model, job)
+            seq, parser = await asyncio.to_thread(prepare, loaded.model, job, loaded.drafter,
+                                                  self.settings.speculative)
             seq.timings.load_ms = load_ms
             generation = Generation(self, loaded, job, seq, parser)
             loaded.scheduler.submit(generation.request)
@@ -241,10 +260,26 @@ class Runtime:
         return generation
 
 
-def prepare(model, job: Job) -> tuple[Sequence, ToolCallParser | None]:
-    """Prompt token ids, sampling, budget and constraints for `job`: everything checked before it queues."""
+def load_drafter(ref: str, target, settings: Settings, store) -> ModelDrafter:
+    """The draft model `ref`, loaded with the target's context and slots, checked against its vocabulary."""
+    from kiln.engine.model import load
+
+    draft = load(ref, backend=settings.backend, n_ctx=target.n_ctx, n_slots=settings.parallel,
+                 threads=settings.threads, store=store, progress=False)
+    try:
+        return ModelDrafter(draft, target)
+    except BaseException:
+        draft.close()
+        raise
+
+
+def prepare(model, job: Job, drafter: ModelDrafter | None = None,
+            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, ToolCallParser | None]:
+    """Prompt token ids, sampling, budget, constraints and speculation for `job`: everything checked
+    before it queues. `speculative` is the server's default, which the job's options override."""
     from kiln.engine.grammar import Constraint, json_grammar
     from kiln.engine.sampler import SamplingParams
+    from kiln.engine.speculative import speculation
 
     tok = model.tokenizer
     use_tools = bool(job.tools) and job.tool_choice != "none"
@@ -276,8 +311,10 @@ def prepare(model, job: Job) -> tuple[Sequence, ToolCallParser | None]:
         constraint = Constraint(tok, toolcalls.forced_call_grammar(job.tools, job.tool_choice), "tool_choice")
     elif job.json:
         constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
+    options = speculative.replace(job.speculative_params, **job.speculative)
     seq = Sequence(ids, params, tok, budget, stop=[s for s in job.stop if s], stop_ids=tok.stop_ids,
-                   logprobs=job.logprobs, constraint=constraint)
+                   logprobs=job.logprobs, constraint=constraint,
+                   speculation=speculation(options, drafter, job.speculative_params[0]))
     return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
 
 
