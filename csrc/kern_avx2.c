@@ -299,14 +299,16 @@ ALWAYS void ftile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
 
 ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
     size_t stride = kiln_act_stride(f, w->cols);
-    if (n_tok == 1) {
+    if (n_tok <= 2) { /* decode: a constant token count keeps the accumulators in registers */
         for (int ti = tile0; ti < tile1; ti++) {
             const uint8_t *tile = w->data + ti * w->tile_bytes;
             int nrows = w->rows - 4 * ti;
             if (kiln_fmt_is_float(f))
-                ftile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, nrows);
-            else
+                ftile(f, tile, w->cols, act, stride, n_tok, y + 4 * ti, ldy, nrows);
+            else if (n_tok == 1)
                 qtile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, nrows);
+            else /* a precise activation's pair of rows (see plan.c) */
+                qtile(f, tile, w->cols, act, stride, 2, y + 4 * ti, ldy, nrows);
         }
         return;
     }
