@@ -76,13 +76,14 @@ static void glu_row(int kind, const float *g, const float *u, float *out, int n)
 /* The values an int8 activation row stands for (the layout of kernels.h: per group of 256, the quants
  * in lane order, then a scale per block of 32). */
 static void act_row_values(const uint8_t *act, int cols, float *x) {
-    for (int c = 0; c < cols; c++) {
-        int g = c / KILN_GROUP, j = c % KILN_GROUP / 32, i = c % 32;
-        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+    for (int g = 0; g * KILN_GROUP < cols; g++) {
         const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
-        float d;
-        memcpy(&d, ag + KILN_AG_D + 4 * j, sizeof d);
-        x[c] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d;
+        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        for (int j = 0; j < nb; j++) {
+            float d, *xb = x + g * KILN_GROUP + 32 * j;
+            memcpy(&d, ag + KILN_AG_D + 4 * j, sizeof d);
+            for (int i = 0; i < 32; i++) xb[i] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d;
+        }
     }
 }
 
@@ -111,14 +112,14 @@ static void quantize_all(const kiln_plan *p, const kiln_op *op, const float *x, 
 }
 
 /* Float formats take fp32 activations, which need no second row. */
-static int paired(const kiln_op *op) { return op->precise && kiln_act_kind(op->w->fmt) == KILN_ACT_Q8; }
+static int paired(const kiln_op *op, const kiln_wmat *w) { return op->precise && kiln_act_kind(w->fmt) == KILN_ACT_Q8; }
 
 /* Rows of a matmul's activation: two per token when they are precise. */
-static int act_rows(const kiln_op *op, int n) { return paired(op) ? 2 * n : n; }
+static int act_rows(const kiln_op *op, const kiln_wmat *w, int n) { return paired(op, w) ? 2 * n : n; }
 
 /* Fold the pair results of precise activations: y[t] = y[2t] + y[2t+1], each row n wide. */
-static void fold_pairs(const kiln_op *op, float *y, int n_tok, int n) {
-    if (!paired(op)) return;
+static void fold_pairs(const kiln_op *op, const kiln_wmat *w, float *y, int n_tok, int n) {
+    if (!paired(op, w)) return;
     for (int t = 0; t < n_tok; t++)
         for (int i = 0; i < n; i++) y[(size_t)t * n + i] = y[(size_t)2 * t * n + i] + y[(size_t)(2 * t + 1) * n + i];
 }
@@ -156,8 +157,9 @@ static void qkv_compute(void *ctx, int unit, int thread) {
     const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
     const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
     int r0 = head * hd;
-    float *y = scratch(p, thread), *tmp = y + (size_t)j->n_rows * hd;
-    matmul_rows(w, act, j->n_rows, y, r0, r0 + hd);
+    float *y = scratch(p, thread), *tmp = y + (size_t)2 * j->n_rows * hd;
+    matmul_rows(w, act, act_rows(op, w, j->n_rows), y, r0, r0 + hd);
+    fold_pairs(op, w, y, j->n_rows, hd);
     for (int t = 0; t < j->n_rows; t++) {
         float *row = y + (size_t)t * hd;
         if (bias)
@@ -255,8 +257,8 @@ static void matmul_compute(void *ctx, int c, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *y = scratch(j->plan, thread);
-    matmul_rows(op->w, op->act[op->w_act], act_rows(op, j->n_rows), y, r0, r1);
-    fold_pairs(op, y, j->n_rows, n);
+    matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_rows), y, r0, r1);
+    fold_pairs(op, op->w, y, j->n_rows, n);
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;
@@ -288,8 +290,8 @@ static void logits_compute(void *ctx, int c, int thread) {
     int r0, r1;
     chunk_rows(op, c, &r0, &r1);
     float *y = scratch(j->plan, thread);
-    matmul_rows(op->w, op->act[op->w_act], act_rows(op, j->n_out), y, r0, r1);
-    fold_pairs(op, y, j->n_out, r1 - r0);
+    matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_out), y, r0, r1);
+    fold_pairs(op, op->w, y, j->n_out, r1 - r0);
 }
 
 static void logits_commit(void *ctx, int c, int thread) {

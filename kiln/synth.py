@@ -12,6 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+
+from kiln.tokenizer import bytes_to_unicode
 from gguf import GGUFValueType as VT
 
 CHATML_TEMPLATE = (
@@ -49,24 +51,12 @@ SHAPES = {
 }
 
 
-def byte_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = keep[:], 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
-
-
 def bpe_vocab(size: int, specials: list[str], rng: np.random.Generator) -> tuple[list[str], list[str], list[int]]:
     """A byte-level BPE vocabulary: specials, the 256 bytes, then merges of frequent-looking pairs."""
-    tokens = list(specials) + list(byte_unicode().values())
+    tokens = list(specials) + list(bytes_to_unicode().values())
     types = [3] * len(specials) + [1] * 256
     known, merges = set(tokens), []
-    letters = [byte_unicode()[b] for b in b" etaoinshrdlucmfwypvbgkqjxz"]
+    letters = [bytes_to_unicode()[b] for b in b" etaoinshrdlucmfwypvbgkqjxz"]
     pieces = list(letters)
     while len(tokens) < size:
         a = pieces[int(rng.integers(len(pieces)))]

@@ -76,7 +76,7 @@ _STATE_FILE = "tokenizer.npz"
 _STATE_FORMAT = 1  # bump when the saved state changes meaning
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters, in which byte-level tokens are spelled."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     codes, extra = list(printable), 0
@@ -378,7 +378,7 @@ def _assemble_sentencepiece(gguf: GGUFFile, tokens: list[str], types: np.ndarray
 
 def _byte_level_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
     """Normal tokens are spelled in GPT-2's byte alphabet; special ones are plain text."""
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     table = [t.encode() for t in tokens]
     for i in np.flatnonzero(types == NORMAL).tolist():
         if all(c in byte_of for c in tokens[i]):

@@ -498,7 +498,7 @@ def _write_gguf(path: Path, **fields) -> GGUFFile:
 
 
 def _byte_level_vocab():
-    alphabet = list(kiln_tokenizer._bytes_to_unicode().values())
+    alphabet = list(kiln_tokenizer.bytes_to_unicode().values())
     merges = ["Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "h e", "l l", "he ll", "hell o", "Ġ 1", "1 2"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + alphabet + [m.replace(" ", "") for m in merges]

@@ -85,8 +85,9 @@ class Lowering:
         self.consumers: dict[Node, set[int]] = {}  # node → weight formats that read it
         self.scratch_floats = 1
         self.logits: Buf | None = None
-        # Inputs whose int8 quantization costs the most accuracy (the output head's, and the down
-        # projection's after the GLU) get precise two-row activations: see csrc/plan.c.
+        # Inputs whose int8 quantization costs the most accuracy (those of the q/k/v projections, of the
+        # down projection after the GLU, and of the output head) get precise two-row activations:
+        # see csrc/plan.c.
         self.precise: set[Node] = set()
 
     # ---- public ----------------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class Lowering:
             self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(node.params[key]))
         if node.kind == "logits" or (node.kind == "linear" and node.inputs[0].kind == "glu"):
             self.precise.add(node.inputs[0])
+        if node.kind == "attention":  # the input of the q, k and v projections
+            self.precise.add(self._projection(node.inputs[2])[0].inputs[0])
         for child in node.inputs:
             self._note_consumers(child, seen)
 
@@ -266,10 +269,10 @@ class Lowering:
             index[f"{name}_act"] = list(acts).index(self.n.act_kind(self._fmt(lin.params["weight"])))
             if lin.params["bias"] is not None:
                 index[f"b{name}"] = self.weights.vector(lin.params["bias"])
-        self._scratch(self.rows * hd + hd)
+        self._scratch(2 * self.rows * hd + hd)
         common = dict(layer=layer, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=hd, q=q,
                       k_cache=k_cache, v_cache=v_cache)
-        self._emit(kind=self.n.OP_QKV, op_class=0, **fields, **index, **norms, **common,
+        self._emit(kind=self.n.OP_QKV, op_class=0, **fields, **index, **norms, **common, precise=int(h in self.precise),
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
