@@ -94,11 +94,12 @@ class Chat:
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}]))
 
-    def ask(self, text: str, out=sys.stdout) -> None:
+    def ask(self, text: str, out=None) -> None:
         from kiln.engine.generate import common_prefix, generate
         from kiln.engine.sequence import Sequence, plan_budget
         from kiln.engine.speculative import speculation
 
+        out = out or sys.stdout  # looked up per call: sys.stdout may be replaced after import
         m = self.model
         ids = self.prompt_ids(text)
         budget = plan_budget(len(ids), self.num_predict, m.n_ctx)
