@@ -79,11 +79,16 @@ static void act_row_values(const uint8_t *act, int cols, float *x) {
     for (int g = 0; g * KILN_GROUP < cols; g++) {
         const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
         int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
-        for (int j = 0; j < nb; j++) {
-            float d, *xb = x + g * KILN_GROUP + 32 * j;
-            memcpy(&d, ag + KILN_AG_D + 4 * j, sizeof d);
-            for (int i = 0; i < 32; i++) xb[i] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d;
+        float d[8], *xg = x + g * KILN_GROUP;
+        memcpy(d, ag + KILN_AG_D, sizeof(float) * nb);
+        if (nb > 4) { /* chunk k holds weights 4k..4k+3 of every block: walk the bytes in order */
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < nb; j++)
+                    for (int m = 0; m < 4; m++) xg[32 * j + 4 * k + m] = (int8_t)ag[32 * k + 4 * j + m] * d[j];
+            continue;
         }
+        for (int j = 0; j < nb; j++)
+            for (int i = 0; i < 32; i++) xg[32 * j + i] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d[j];
     }
 }
 
