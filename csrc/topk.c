@@ -1,5 +1,6 @@
-/* The k largest logits, for sampling: one pass with a k-entry min-heap, so most of a 10^5-token
- * vocabulary costs one comparison each. */
+/* The k largest logits, for sampling: one pass with a k-entry min-heap. Blocks of 16 logits that
+ * hold nothing above the heap's smallest entry are skipped with one vectorizable test, so most of a
+ * 10^5-token vocabulary costs a fraction of a comparison each. */
 #include "bindings.h"
 
 #include <math.h>
@@ -24,14 +25,28 @@ static void sift_down(entry *h, int k, int at) {
     }
 }
 
+#define BLOCK 16
+
+static inline void offer(entry *h, int k, const float *x, int i) {
+    entry e = {x[i], i};
+    if (below(h[0], e)) h[0] = e, sift_down(h, k, 0);
+}
+
 /* Indices of the k largest of x[0..n), largest first (ties: lower index first); NaN never wins. */
 static void topk(const float *x, int n, int k, int32_t *out, entry *h) {
     for (int i = 0; i < k; i++) h[i] = (entry){x[i] == x[i] ? x[i] : -INFINITY, i};
     for (int i = k / 2 - 1; i >= 0; i--) sift_down(h, k, i);
-    for (int i = k; i < n; i++) {
-        entry e = {x[i], i};
-        if (below(h[0], e)) h[0] = e, sift_down(h, k, 0);
+    int i = k;
+    for (; i < n && i % BLOCK; i++) offer(h, k, x, i);
+    for (; i + BLOCK <= n; i += BLOCK) {
+        /* a later index loses ties, so only values above the smallest entry can enter */
+        float floor = h[0].v;
+        int any = 0;
+        for (int j = 0; j < BLOCK; j++) any |= x[i + j] > floor;
+        if (any)
+            for (int j = 0; j < BLOCK; j++) offer(h, k, x, i + j);
     }
+    for (; i < n; i++) offer(h, k, x, i);
     for (int end = k - 1; end >= 0; end--) { /* heap-sort: pop the smallest to the back */
         out[end] = h[0].i;
         h[0] = h[end];
