@@ -585,3 +585,30 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
         for key in ("ttft_ms", "tps"):
             v = compare.verdict(summary([r[key] for r in local]), summary([r[key] for r in url]))
             assert not v["exceeds_both_spreads"], f"{name} {key}: in-process vs kiln serve: {v}"
+
+
+# --- kiln bench (llama-bench style) ----------------------------------------------------------------------
+
+def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
+    from kiln.synth import SHAPES
+
+    assert kiln_main(["bench", str(tiny), "-p", "16", "-n", "8", "-b", "1,2", "-r", "1", "-o", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_test = {r["test"]: r for r in report["results"]}
+    assert set(by_test) == {"pp16", "tg8", "tg8 b2"}
+    for r in by_test.values():
+        assert r["avg_ts"] > 0 and len(r["samples_ns"]) == 1
+    one, two = by_test["tg8"], by_test["tg8 b2"]
+    assert 0 <= one["host_fraction"] < 1
+    # a second sequence adds its embedding row and its KV cache, computed here from the model's shape:
+    # fp16 keys and values of every layer, positions 0..7 attending to 1..8 entries (mean 4.5)
+    shape = SHAPES["tiny-llama"]
+    kv_mean = shape.n_layers * 2 * shape.n_kv_heads * shape.head_dim * 2 * 4.5
+    embed_row = shape.dim + 2 * (shape.dim // 32)  # one Q8_0 row: a fp16 scale and 32 int8 per block
+    assert two["step_bytes"] - one["step_bytes"] == pytest.approx(kv_mean + embed_row)
+    assert one["gb_s"] == pytest.approx(one["step_bytes"] * 8 / (one["samples_ns"][0] / 1e9) / 1e9)
+    read = report["plain_read"][str(one["threads"])]
+    assert read["gb_s"] > 0 and one["of_plain_read"] == pytest.approx(one["gb_s"] / read["gb_s"])
+    mem = report["memory"][str(one["threads"])]
+    assert mem["weights_bytes"] > 0 and mem["rss_growth_bytes"] > 0
+    assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))

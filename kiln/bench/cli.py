@@ -97,11 +97,22 @@ def to_markdown(report: dict) -> str:
         f"model: {report['model']} ({report['architecture']}, {report['model_size'] / 2**20:.1f} MiB, "
         f"{report['n_params'] / 1e6:.1f} M params) · {m['cpu']} · kernels {m['kernel_isa']}",
         "",
-        "| test | threads | t/s | host % |",
-        "| --- | ---: | ---: | ---: |",
+        "| test | threads | t/s | host % | GB/s (of plain read) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for r in report["results"]:
         host = f"{100 * r['host_fraction']:.1f}" if r["host_fraction"] is not None else ""
-        lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} |")
-    lines += ["", f"{report['method']}."]
+        bw = ""
+        if r.get("gb_s") is not None:
+            bw = f"{r['gb_s']:.2f}" + (f" ({100 * r['of_plain_read']:.0f}%)" if "of_plain_read" in r else "")
+        lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} | {bw} |")
+    lines += ["", f"{report['method']}; GB/s: bytes a decode step reads (packed weights, embedding rows, KV "
+              "cache) at the median step time."]
+    for t, read in report.get("plain_read", {}).items():
+        lines.append(f"plain read, {t} thread(s): {read['gb_s']:.2f} GB/s ({read['method']}).")
+    for t, mem in report.get("memory", {}).items():
+        if mem["rss_growth_bytes"] is not None:
+            lines.append(f"memory, {t} thread(s): resident growth {mem['rss_growth_bytes'] / 2**20:.1f} MiB = "
+                         f"{mem['growth_over_weights_kv']:.2f} x (packed weights {mem['weights_bytes'] / 2**20:.1f} MiB "
+                         f"+ KV cache {mem['kv_bytes'] / 2**20:.1f} MiB).")
     return "\n".join(lines) + "\n"

@@ -4,13 +4,17 @@ Tests: `pp N` (prefill of N random tokens from an empty cache, or after `-d` tok
 `tg N` (N decode steps, one token each; with `-b B`, B sequences decode side by side and the rate is
 their aggregate). Random token ids: no tokenization, no sampling, as llama-bench; each figure is the
 mean ± sd over `-r` repetitions after one warm-up. The JSON also says how much of each decode step was
-spent outside the native call (host time).
+spent outside the native call (host time), the bytes a decode step reads (packed weights, embedding rows,
+the KV cache up to each position) as GB/s next to a plain read measured in the same run, and what the
+process holds resident against the packed weights and KV cache it needs.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -25,6 +29,7 @@ class PerfResult:
     n_tokens: int
     samples_ns: list[int] = field(default_factory=list)
     host_fraction: float | None = None  # decode only: share of wall time outside the native call
+    step_bytes: float | None = None  # decode only: mean bytes one step reads (weights, embedding rows, KV)
 
     @property
     def samples_ts(self) -> list[float]:
@@ -37,6 +42,8 @@ class PerfResult:
             "n_tokens": self.n_tokens, "avg_ns": statistics.mean(ns), "stddev_ns": _sd(ns),
             "avg_ts": statistics.mean(ts), "stddev_ts": _sd(ts), "median_ts": statistics.median(ts),
             "samples_ns": ns, "samples_ts": ts, "host_fraction": self.host_fraction,
+            "step_bytes": self.step_bytes,
+            "gb_s": None if self.step_bytes is None else self.step_bytes * self.n_tokens / (statistics.median(ns) / 1e9) / 1e9,
         }
 
 
@@ -84,18 +91,60 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
                 wall_ns += elapsed
                 native_ns += engine.stats.native_ns - before
         r.host_fraction = 1.0 - native_ns / wall_ns
+        r.step_bytes = step_bytes(engine, batch, range(depth, depth + n_gen))
         results.append(r)
     return results
 
 
+def step_bytes(engine, batch: int, positions) -> float:
+    """Mean bytes a decode step of `batch` sequences reads: every packed matrix once, an embedding row and
+    the KV cache up to its position per sequence (kiln trace counts the same way)."""
+    from kiln.trace import dispatch_figures, kv_read_bytes
+
+    d = dispatch_figures(engine)
+    kv = statistics.fmean(kv_read_bytes(engine.decode_plan, p) for p in positions)
+    return d["weight_bytes"] + batch * (d["embedding_row_bytes"] + kv)
+
+
+def resident_bytes() -> int | None:
+    """VmRSS of this process (Linux); None elsewhere."""
+    try:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+    except (OSError, TypeError):
+        return None
+
+
+def memory_figures(engine, rss_before: int | None) -> dict:
+    """Resident memory the model added (VmRSS after the tests less before the load) against the packed
+    weights and KV cache it needs."""
+    need = engine.weights.nbytes + engine.kv_arena.nbytes
+    after = resident_bytes()
+    grown = None if after is None or rss_before is None else after - rss_before
+    return {"weights_bytes": engine.weights.nbytes, "kv_bytes": engine.kv_arena.nbytes, "rss_bytes": after,
+            "rss_growth_bytes": grown, "growth_over_weights_kv": None if grown is None else grown / need,
+            "method": "VmRSS after the tests less VmRSS before loading (kiln's modules already imported); "
+                      "packed weights and the fp16 KV cache as allocated for this run's context"}
+
+
+def plain_read(threads: int, passes: int = 3) -> dict:
+    from kiln.validate import ReadLoop
+
+    read = ReadLoop(threads)
+    figures = read.figures([read.pass_gb_s() for _ in range(passes)], "right after the tests")
+    del read
+    return figures
+
+
 def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: list[int], batches: list[int],
         reps: int, seed: int = 0, progress=None) -> dict:
+    from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
     from kiln.engine.model import load
     from kiln.machine import facts
 
-    results, about = [], {}
+    results, about, memory, reads = [], {}, {}, {}
     n_ctx = max(depths) + max(n_prompt, n_gen) + 1
     for t in threads:
+        rss_before = resident_bytes()
         model = load(model_ref, backend="native", n_ctx=n_ctx, n_slots=max(batches), threads=t, progress=False)
         cfg = model.config
         about = {"model": model.tag, "model_sha256": model.sha256, "model_name": cfg.name,
@@ -107,9 +156,18 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
                 if progress:
                     progress(f"threads {t}, depth {depth}, batch {batch}")
                 results += bench_engine(model.engine, cfg.vocab_size, n_prompt, n_gen, depth, batch, reps, rng)
+        memory[t] = memory_figures(model.engine, rss_before)
         model.close()
+        del model
+        if n_gen:
+            reads[t] = plain_read(t)
+    summaries = [r.summary() for r in results]
+    for r in summaries:
+        if r["gb_s"] is not None and r["threads"] in reads:
+            r["of_plain_read"] = r["gb_s"] / reads[r["threads"]]["gb_s"]
     return {
         **about, "backend": "native", "method": "random token ids; tokenization and sampling are not timed; "
         f"mean ± sd over {reps} repetitions after one warm-up",
-        "machine": facts(), "results": [r.summary() for r in results],
+        "machine": facts(), "results": summaries,
+        "plain_read": {str(t): f for t, f in reads.items()}, "memory": {str(t): m for t, m in memory.items()},
     }
