@@ -130,6 +130,11 @@ void *kiln_alloc_huge(size_t size) {
 void kiln_free_huge(void *p) { free(p); }
 
 uint64_t kiln_mem_read(const void *p, size_t size) {
+#if KILN_X86
+    /* The widest loads the CPU has: compiled for baseline x86-64 (16-byte loads), the same loop read
+       ~10% slower than 32-byte loads on an AVX2 machine, which would flatter every ratio against it. */
+    if (kiln_active_isa() >= ISA_AVX2) return kiln_mem_read_avx2(p, size);
+#endif
     /* Four independent xor chains over 8-byte words: the compiler vectorises this into wide loads. */
     const uint64_t *w = (const uint64_t *)p;
     uint64_t a = 0, b = 0, c = 0, d = 0;
@@ -140,5 +145,6 @@ uint64_t kiln_mem_read(const void *p, size_t size) {
         c ^= w[4 * i + 2];
         d ^= w[4 * i + 3];
     }
+    for (size_t i = 4 * n; i < size / 8; i++) a ^= w[i];
     return a ^ b ^ c ^ d;
 }

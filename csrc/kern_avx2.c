@@ -344,6 +344,28 @@ void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, 
     }
 }
 
+/* ---- the bandwidth reference: every byte once, 32-byte loads in two xor chains (a 32-byte tail and
+   anything shorter are read by 8-byte words) ---- */
+uint64_t kiln_mem_read_avx2(const void *p, size_t size) {
+    const uint8_t *q = p;
+    __m256i a = _mm256_setzero_si256(), b = a;
+    size_t i = 0;
+    for (; i + 64 <= size; i += 64) {
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(q + i)));
+        b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(q + i + 32)));
+    }
+    a = _mm256_xor_si256(a, b);
+    uint64_t lanes[4], r;
+    _mm256_storeu_si256((__m256i *)lanes, a);
+    r = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+    for (; i + 8 <= size; i += 8) {
+        uint64_t w;
+        memcpy(&w, q + i, 8);
+        r ^= w;
+    }
+    return r;
+}
+
 /* ---- activations ---- */
 
 /* 8x8 transpose of 32-bit units: row j (block j, natural order) -> column j of chunk k. */

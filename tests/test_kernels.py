@@ -271,13 +271,15 @@ def test_kiln_isa_environment(value, expect):
             assert f"CPU lacks {missing}" in out.stdout, out.stdout + out.stderr
 
 
-def test_huge_buffer_and_mem_read():
+def test_huge_buffer_and_mem_read(isa):
     buf = K.huge_empty(3 << 20)
     assert buf.ctypes.data % (2 << 20) == 0 and buf.size == 3 << 20
     buf[:] = 0
     buf[8] = 5
     buf[(3 << 20) - 1] = 7
     assert K.mem_read(buf) == 5 ^ (7 << 56)
+    words = np.random.default_rng(1).integers(0, 2**63, 13, dtype=np.uint64)  # 104 bytes: a tail past 64 and 32
+    assert K.mem_read(words.view(np.uint8)) == int(np.bitwise_xor.reduce(words))
 
 
 def _real_tensor_check(path, names_types, rows=96, n=3):

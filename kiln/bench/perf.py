@@ -56,7 +56,9 @@ def _label(kind: str, n: int, depth: int, batch: int) -> str:
 
 
 def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batch: int, reps: int,
-                 rng: np.random.Generator) -> list[PerfResult]:
+                 rng: np.random.Generator, after_decode=None) -> list[PerfResult]:
+    """The pp and tg tests; `after_decode` runs after each timed decode repetition (a plain-read pass,
+    so the bandwidth reference sees the same machine load as the decode it is compared to)."""
     results = []
 
     def fill_depth():
@@ -90,6 +92,8 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
                 r.samples_ns.append(elapsed)
                 wall_ns += elapsed
                 native_ns += engine.stats.native_ns - before
+                if after_decode is not None:
+                    after_decode()
         r.host_fraction = 1.0 - native_ns / wall_ns
         r.step_bytes = step_bytes(engine, batch, range(depth, depth + n_gen))
         results.append(r)
@@ -126,24 +130,18 @@ def memory_figures(engine, rss_before: int | None) -> dict:
                       "packed weights and the fp16 KV cache as allocated for this run's context"}
 
 
-def plain_read(threads: int, passes: int = 3) -> dict:
-    from kiln.validate import ReadLoop
-
-    read = ReadLoop(threads)
-    figures = read.figures([read.pass_gb_s() for _ in range(passes)], "right after the tests")
-    del read
-    return figures
-
-
 def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: list[int], batches: list[int],
         reps: int, seed: int = 0, progress=None) -> dict:
     from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
     from kiln.engine.model import load
     from kiln.machine import facts
+    from kiln.validate import ReadLoop
 
     results, about, memory, reads = [], {}, {}, {}
     n_ctx = max(depths) + max(n_prompt, n_gen) + 1
     for t in threads:
+        read, passes = ReadLoop(t) if n_gen else None, []  # allocated before the memory baseline
+        read_pass = (lambda: passes.append(read.pass_gb_s())) if read else None
         rss_before = resident_bytes()
         model = load(model_ref, backend="native", n_ctx=n_ctx, n_slots=max(batches), threads=t, progress=False)
         cfg = model.config
@@ -155,12 +153,13 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
             for batch in batches:
                 if progress:
                     progress(f"threads {t}, depth {depth}, batch {batch}")
-                results += bench_engine(model.engine, cfg.vocab_size, n_prompt, n_gen, depth, batch, reps, rng)
+                results += bench_engine(model.engine, cfg.vocab_size, n_prompt, n_gen, depth, batch, reps, rng,
+                                          after_decode=read_pass)
         memory[t] = memory_figures(model.engine, rss_before)
         model.close()
-        del model
-        if n_gen:
-            reads[t] = plain_read(t)
+        if read is not None:
+            reads[t] = read.figures(passes, "each right after a timed decode repetition")
+        del model, read
     summaries = [r.summary() for r in results]
     for r in summaries:
         if r["gb_s"] is not None and r["threads"] in reads:
