@@ -97,6 +97,7 @@ struct kiln_plan {
     /* per-row inputs, written by the caller before each run */
     int32_t *tokens, *slots, *positions, *row_sel;
     int32_t *blocks; /* attention: (first row, rows) of each run of one sequence, set at each run */
+    float *logit_floor; /* output head: per logits row, the floor above which logits are refined */
     int n_blocks;
     float *logits;        /* [max_rows][vocab] */
     int vocab;

@@ -257,6 +257,7 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.ops);
     PyMem_Free(p->plan.jobs);
     PyMem_Free(p->plan.blocks);
+    PyMem_Free(p->plan.logit_floor);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_ns);
     PyMem_Free(p->plan.op_wait_ns);
@@ -290,6 +291,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
     k->jobs = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(kiln_job));
     k->blocks = PyMem_Calloc(2 * (size_t)rows + 2, sizeof(int32_t));
+    k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
     k->scratch_floats = (size_t)scratch_floats;
@@ -298,7 +300,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->blocks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
+    if (!k->ops || !k->jobs || !k->blocks || !k->logit_floor || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
         !k->op_t1_ns) {
         PyBuffer_Release(&ops);
         Py_DECREF(p);

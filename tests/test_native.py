@@ -96,6 +96,20 @@ def test_threads_give_bit_identical_logits(tmp_path):
     assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2])
 
 
+def test_batch_gives_bit_identical_logits(tmp_path):
+    """A sequence's logits do not depend on what shares its step: its own rows decide which output-head
+    logits get the precise activations' second row, and kernels give a token the same result in any call."""
+    path = write_random_gguf(tmp_path / "q.gguf", "tiny-llama", qtype=QT.Q4_1, seed=9)
+    native, _ = engines(path, n_slots=3)
+    prompts = [list(range(30, 50)), list(range(60, 75)), list(range(100, 130))]
+    for slot, ids in enumerate(prompts):
+        native.forward(ids, slot, 0)
+    nexts, positions = [7, 8, 9], [len(p) for p in prompts]
+    together = native.step(nexts, [0, 1, 2], positions, [0, 1, 2])
+    alone = [native.step([nexts[s]], [s], [positions[s]], [0])[0] for s in range(3)]
+    assert np.array_equal(together, np.stack(alone))
+
+
 def test_slot_copy_and_rewind(tmp_path):
     path = write_random_gguf(tmp_path / "q.gguf", "tiny-qwen2", qtype=QT.F32, seed=2)
     native, oracle = engines(path, n_slots=2)
