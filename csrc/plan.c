@@ -311,9 +311,14 @@ static void logits_compute(void *ctx, int c, int thread) {
 static void set_logit_floors(const kiln_plan *p, const kiln_op *op, int n_out) {
     for (int t = 0; t < n_out; t++) {
         const float *y = op->out + (size_t)t * op->rows;
-        float best = -INFINITY;
-        for (int r = 0; r < op->rows; r++) best = y[r] > best ? y[r] : best;
-        p->logit_floor[t] = best - LOGIT_MARGIN;
+        float m[8]; /* 8 running maxima: no chain of dependent compares (a NaN never wins either way) */
+        for (int k = 0; k < 8; k++) m[k] = -INFINITY;
+        int r = 0;
+        for (; r + 8 <= op->rows; r += 8)
+            for (int k = 0; k < 8; k++) m[k] = y[r + k] > m[k] ? y[r + k] : m[k];
+        for (; r < op->rows; r++) m[0] = y[r] > m[0] ? y[r] : m[0];
+        for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
+        p->logit_floor[t] = m[0] - LOGIT_MARGIN;
     }
 }
 
