@@ -282,13 +282,14 @@ class NativeEngine:
     def step(self, tokens, slots, positions, out_rows) -> np.ndarray:
         """Run one batch of rows (any mix of sequences); return logits for `out_rows`, in order."""
         n, n_out = len(tokens), len(out_rows)
-        tokens = np.asarray(tokens, dtype=np.int32)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
-            bad = int(tokens[(tokens < 0) | (tokens >= self.config.vocab_size)][0])
-            raise RequestError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size}", param="tokens")
-        positions = np.asarray(positions, dtype=np.int32)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.n_ctx):
-            raise RequestError(f"position {int(positions.max())} is outside the context of {self.n_ctx}", param="positions")
+        # builtin min/max: a decode step's few ids are checked faster than numpy reductions start up
+        vocab = self.config.vocab_size
+        if n and (min(tokens) < 0 or max(tokens) >= vocab):
+            bad = next(int(t) for t in tokens if not 0 <= t < vocab)
+            raise RequestError(f"token id {bad} is outside the vocabulary of {vocab}", param="tokens")
+        if n and (min(positions) < 0 or max(positions) >= self.n_ctx):
+            bad = next(int(p) for p in positions if not 0 <= p < self.n_ctx)
+            raise RequestError(f"position {bad} is outside the context of {self.n_ctx}", param="positions")
         plan = self.decode_plan if n <= self.max_batch else self.prefill_plan
         if n > plan.rows or n_out > plan.out_rows:
             raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows}")
