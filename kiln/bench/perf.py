@@ -11,6 +11,7 @@ process holds resident against the packed weights and KV cache it needs.
 
 from __future__ import annotations
 
+import gc
 import re
 import statistics
 import time
@@ -133,7 +134,7 @@ def memory_figures(engine, rss_before: int | None) -> dict:
 def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: list[int], batches: list[int],
         reps: int, seed: int = 0, progress=None) -> dict:
     from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
-    from kiln.engine.model import load
+    from kiln.engine.model import load, release_free_heap
     from kiln.machine import facts
     from kiln.validate import ReadLoop
 
@@ -142,6 +143,8 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
     for t in threads:
         read, passes = ReadLoop(t) if n_gen else None, []  # allocated before the memory baseline
         read_pass = (lambda: passes.append(read.pass_gb_s())) if read else None
+        gc.collect()
+        release_free_heap()  # as load() does at its end: both ends of the difference trimmed alike
         rss_before = resident_bytes()
         model = load(model_ref, backend="native", n_ctx=n_ctx, n_slots=max(batches), threads=t, progress=False)
         cfg = model.config
