@@ -114,7 +114,7 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 #define KILN_GROUP 256           /* weights per group / super-block */
 /* Bytes ahead of the group being computed that the SIMD kernels prefetch. The hardware prefetcher
    alone left a streaming GEMV at ~80% of a plain read of the same memory on this class of machine;
-   1 KiB ahead closes most of that gap (bench/kernels_bench.py). A hint: it never faults. */
+   1 KiB ahead closes most of that gap (docs/PERF.md, "Prefetch"). A hint: it never faults. */
 #define KILN_PREFETCH 1024
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */

@@ -15,8 +15,8 @@ import gc
 import re
 import statistics
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
