@@ -198,14 +198,21 @@ static void qkv_commit(void *ctx, int unit, int thread) {
     }
 }
 
+/* Attention chunk c: KV head g of row block (first row t0, `rows` rows). */
+static void attn_unit(const kiln_plan *p, const kiln_op *op, int c, int *t0, int *rows, int *g) {
+    int b = c / op->n_kv_heads;
+    *g = c % op->n_kv_heads;
+    *t0 = p->blocks[2 * b], *rows = p->blocks[2 * b + 1];
+}
+
 /* The attention result of a chunk: its block's rows, `group` heads of hd each. */
 static void attn_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int KV = op->n_kv_heads, b = c / KV, g = c % KV;
-    int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
-    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
+    int t0, rows, g;
+    attn_unit(p, op, c, &t0, &rows, &g);
+    int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd;
     int pos0 = p->positions[t0], first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
     size_t base = head_offset(p, op, p->slots[t0], g);
     float *result = scratch(p, thread), *work = result + (size_t)ATTN_BLOCK * group * hd;
@@ -217,9 +224,9 @@ static void attn_commit(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int KV = op->n_kv_heads, b = c / KV, g = c % KV;
-    int t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1];
-    int hd = op->head_dim, group = op->n_heads / KV, q_dim = op->n_heads * hd;
+    int t0, rows, g;
+    attn_unit(p, op, c, &t0, &rows, &g);
+    int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd;
     const float *result = scratch(p, thread);
     for (int i = 0; i < rows; i++)
         memcpy(op->out + (size_t)(t0 + i) * q_dim + (size_t)g * group * hd, result + (size_t)i * group * hd,

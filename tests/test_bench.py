@@ -330,12 +330,19 @@ def test_http_target_measures_what_the_server_does(standin, home, tmp_path):
     assert history.query("scenarios")[0]["payload"]["results"] == report["results"]
 
 
+def run_against(server, chosen, runs: int, memory: bool = False, ignore_eos: bool = False) -> dict:
+    """scenarios.run against a stand-in server, the HTTP target closed afterwards."""
+    target = scenarios.HTTP(server.url, "standin", None, 30, None)
+    try:
+        return scenarios.run(target, chosen, runs=runs, warmup=0, memory=memory, ignore_eos=ignore_eos,
+                             command="test")
+    finally:
+        target.close()
+
+
 def test_http_target_without_usage_or_pid(standin, home):
     server = standin(usage=False, ttft_s=0.01, token_s=0.001)
-    target = scenarios.HTTP(server.url, "standin", None, 30, None)
-    report = scenarios.run(target, [scenarios.BUILTIN["chat-short"]], runs=2, warmup=0, memory=True,
-                           ignore_eos=True, command="test")
-    target.close()
+    report = run_against(server, [scenarios.BUILTIN["chat-short"]], runs=2, memory=True, ignore_eos=True)
     validate(report, "scenarios.schema.json")
     s = report["results"][0]["scenarios"][0]
     assert s["input_tokens"] is None and s["reported"] is None
@@ -346,10 +353,7 @@ def test_http_target_without_usage_or_pid(standin, home):
 
 def test_http_failures_are_counted_not_fatal(standin, home):
     server = standin(fail_every=2, ttft_s=0.0, token_s=0.001)
-    target = scenarios.HTTP(server.url, "standin", None, 30, None)
-    report = scenarios.run(target, [scenarios.BUILTIN["chat-short"]], runs=4, warmup=0, memory=False,
-                           ignore_eos=False, command="test")
-    target.close()
+    report = run_against(server, [scenarios.BUILTIN["chat-short"]], runs=4)
     validate(report, "scenarios.schema.json")
     s = report["results"][0]["scenarios"][0]
     assert s["failed_runs"] == 2 and len(s["runs"]) == 2 and s["ttft_ms"]["n"] == 2
@@ -359,10 +363,7 @@ def test_http_failures_are_counted_not_fatal(standin, home):
 
 def test_http_context_filler_is_sized_by_the_server(standin, home):
     server = standin(ttft_s=0.0, token_s=0.001)
-    target = scenarios.HTTP(server.url, "standin", None, 30, None)
-    report = scenarios.run(target, scenarios.select(["context-2k"], []), runs=2, warmup=0, memory=False,
-                           ignore_eos=False, command="test")
-    target.close()
+    report = run_against(server, scenarios.select(["context-2k"], []), runs=2)
     (s,) = report["results"][0]["scenarios"]
     assert 2048 - 40 <= s["input_tokens"] <= 2048
     assert [r["max_tokens"] for r in server.requests if not r["stream"]] == [1] * len(
@@ -371,10 +372,7 @@ def test_http_context_filler_is_sized_by_the_server(standin, home):
 
 def test_a_connection_the_server_closed_is_reopened(standin, home):
     server = standin(keep_alive=False, ttft_s=0.0, token_s=0.001)
-    target = scenarios.HTTP(server.url, "standin", None, 30, None)
-    report = scenarios.run(target, [scenarios.BUILTIN["chat-short"]], runs=3, warmup=0, memory=False,
-                           ignore_eos=False, command="test")
-    target.close()
+    report = run_against(server, [scenarios.BUILTIN["chat-short"]], runs=3)
     s = report["results"][0]["scenarios"][0]
     assert s["failed_runs"] == 0 and len(server.requests) == 3
 
