@@ -96,25 +96,100 @@ static void act_row_values(const uint8_t *act, int cols, float *x) {
  * what the first missed: about 15 bits instead of 8, for the matrices whose inputs int8 hurts most.
  * The n tokens' first rows come first, then their n second rows, so a matmul takes them as 2n tokens
  * and reads the weights once, and the output head can take the first rows alone (see refine_compute). */
-static void quantize_precise(kiln_wfmt fmt, const float *x, int cols, int n, uint8_t *act, float *residual) {
-    size_t stride = kiln_act_stride(fmt, cols);
-    for (int t = 0; t < n; t++) {
-        const float *xt = x + (size_t)t * cols;
-        uint8_t *first = act + (size_t)t * stride, *second = act + (size_t)(n + t) * stride;
-        kiln_quantize_act(fmt, xt, cols, cols, 1, first);
-        act_row_values(first, cols, residual);
-        for (int c = 0; c < cols; c++) residual[c] = xt[c] - residual[c];
-        kiln_quantize_act(fmt, residual, cols, cols, 1, second);
+static void quantize_precise_row(kiln_wfmt fmt, const float *x, int cols, uint8_t *first, uint8_t *second,
+                                 float *residual) {
+    kiln_quantize_act(fmt, x, cols, cols, 1, first);
+    act_row_values(first, cols, residual);
+    for (int c = 0; c < cols; c++) residual[c] = x[c] - residual[c];
+    kiln_quantize_act(fmt, residual, cols, cols, 1, second);
+}
+
+static int precise_kind(const kiln_op *op, int k) { return op->precise && kiln_act_kind(op->act_fmt[k]) == KILN_ACT_Q8; }
+
+/* Rows a quantize op writes: the final norm only the rows whose logits are wanted (gathered). */
+static int quant_rows(const kiln_op *op, int n_rows, int n_out) { return op->select_rows ? n_out : n_rows; }
+
+static const float *quant_input(const kiln_plan *p, const kiln_op *op, int i) {
+    int t = op->select_rows ? p->row_sel[i] : i;
+    return op->in + (size_t)t * op->cols;
+}
+
+/* Row i of a quantize op (n rows) into its destinations: the normalized row `norm_out` (NORM_QUANT),
+ * then per activation kind the quantized row, and a precise kind's second row. */
+static void quantize_row(const kiln_plan *p, const kiln_op *op, int i, float *norm_out, uint8_t *const *dst,
+                         uint8_t *const *dst2, float *residual) {
+    const float *x = quant_input(p, op, i);
+    if (op->kind == OP_NORM_QUANT) {
+        rmsnorm(x, op->norm_w, op->eps, op->cols, norm_out);
+        x = norm_out;
+    }
+    for (int k = 0; k < op->n_act; k++) {
+        if (precise_kind(op, k))
+            quantize_precise_row(op->act_fmt[k], x, op->cols, dst[k], dst2[k], residual);
+        else
+            kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, 1, dst[k]);
     }
 }
 
-static void quantize_all(const kiln_plan *p, const kiln_op *op, const float *x, int n) {
+/* Where row i of n goes in the shared buffers. */
+static void quant_targets(const kiln_op *op, int i, int n, uint8_t **dst, uint8_t **dst2) {
     for (int k = 0; k < op->n_act; k++) {
-        if (op->precise && kiln_act_kind(op->act_fmt[k]) == KILN_ACT_Q8)
-            quantize_precise(op->act_fmt[k], x, op->cols, n, op->act[k], scratch(p, 0));
-        else
-            kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, n, op->act[k]);
+        size_t stride = kiln_act_stride(op->act_fmt[k], op->cols);
+        dst[k] = (uint8_t *)op->act[k] + (size_t)i * stride;
+        dst2[k] = (uint8_t *)op->act[k] + (size_t)(n + i) * stride;
     }
+}
+
+/* On the pool, a row per chunk: compute quantizes into the thread's scratch (the normalized row, a
+ * residual row, then each kind's row(s)), commit copies the bytes out. */
+static void quant_scratch_targets(const kiln_op *op, float *s, float **norm_out, float **residual, uint8_t **dst,
+                                  uint8_t **dst2) {
+    *norm_out = s, *residual = s + op->cols;
+    uint8_t *b = (uint8_t *)(s + 2 * (size_t)op->cols);
+    for (int k = 0; k < op->n_act; k++) {
+        size_t stride = kiln_act_stride(op->act_fmt[k], op->cols);
+        dst[k] = b, b += stride;
+        dst2[k] = b;
+        if (precise_kind(op, k)) b += stride;
+    }
+}
+
+static void quant_compute(void *ctx, int i, int thread) {
+    const job *j = ctx;
+    float *norm_out, *residual;
+    uint8_t *dst[MAX_ACTS], *dst2[MAX_ACTS];
+    quant_scratch_targets(j->op, scratch(j->plan, thread), &norm_out, &residual, dst, dst2);
+    quantize_row(j->plan, j->op, i, norm_out, dst, dst2, residual);
+}
+
+static void quant_commit(void *ctx, int i, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    float *norm_out, *residual;
+    uint8_t *src[MAX_ACTS], *src2[MAX_ACTS], *dst[MAX_ACTS], *dst2[MAX_ACTS];
+    quant_scratch_targets(op, scratch(j->plan, thread), &norm_out, &residual, src, src2);
+    quant_targets(op, i, quant_rows(op, j->n_rows, j->n_out), dst, dst2);
+    if (op->kind == OP_NORM_QUANT) memcpy(op->out + (size_t)i * op->cols, norm_out, sizeof(float) * op->cols);
+    for (int k = 0; k < op->n_act; k++) {
+        size_t stride = kiln_act_stride(op->act_fmt[k], op->cols);
+        memcpy(dst[k], src[k], stride);
+        if (precise_kind(op, k)) memcpy(dst2[k], src2[k], stride);
+    }
+}
+
+/* A row costs ~1.5 µs (3 µs precise, 576 wide): from this many rows the pool's start-up pays off. */
+#define POOL_QUANT_ROWS 4
+
+static int64_t quantize_op(const kiln_plan *p, const kiln_op *op, job *j) {
+    int n = quant_rows(op, j->n_rows, j->n_out);
+    if (n >= POOL_QUANT_ROWS) return kiln_pool_run(p->pool, quant_compute, quant_commit, j, n);
+    uint8_t *dst[MAX_ACTS], *dst2[MAX_ACTS];
+    for (int i = 0; i < n; i++) {
+        quant_targets(op, i, n, dst, dst2);
+        quantize_row(p, op, i, op->kind == OP_NORM_QUANT ? op->out + (size_t)i * op->cols : NULL, dst, dst2,
+                     scratch(p, 0));
+    }
+    return 0;
 }
 
 /* Float formats take fp32 activations, which need no second row. */
@@ -413,17 +488,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
                 for (int i = 0; i < op->cols; i++) x[i] *= op->scale;
         }
         return 0;
-    case OP_NORM_QUANT: {
-        /* the final norm only needs the rows whose logits are wanted: gather them */
-        int n = op->select_rows ? n_out : n_rows;
-        for (int i = 0; i < n; i++) {
-            int t = op->select_rows ? p->row_sel[i] : i;
-            rmsnorm(op->in + (size_t)t * op->cols, op->norm_w, op->eps, op->cols, op->out + (size_t)i * op->cols);
-        }
-        quantize_all(p, op, op->out, n);
-        return 0;
-    }
-    case OP_QUANT: quantize_all(p, op, op->in, n_rows); return 0;
+    case OP_NORM_QUANT: case OP_QUANT: return quantize_op(p, op, j);
     case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, op->n_heads + 2 * op->n_kv_heads);
     case OP_ATTN: return kiln_pool_run(p->pool, attn_compute, attn_commit, j, p->n_blocks * op->n_kv_heads);
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));

@@ -140,6 +140,13 @@ class Lowering:
     def _scratch(self, floats: int) -> None:
         self.scratch_floats = max(self.scratch_floats, floats)
 
+    def _quant_scratch(self, width: int, fmts: list[int], precise: bool) -> None:
+        """A quantize op's row on a pool thread: the normalized row, a residual row, and the quantized
+        bytes of each layout (two rows for a precise int8 layout)."""
+        row_bytes = sum(self.n.act_size(fmt, width, 2 if precise and self.n.act_kind(fmt) == self.n.ACT_KIND_Q8 else 1)
+                        for fmt in fmts)
+        self._scratch(2 * width + -(-row_bytes // 4))
+
     # ---- values and activations --------------------------------------------------------------------
     def value(self, node: Node) -> Buf:
         if node not in self.values:
@@ -158,7 +165,7 @@ class Lowering:
                     for kind, fmt in self._layouts(self.consumers.get(node, ())).items()}
             fields = self._act_fields(bufs, width)
             fields["precise"] = int(node in self.precise)
-            self._scratch(width)  # precise quantization keeps a residual row in the caller's scratch
+            self._quant_scratch(width, [fmt for fmt, _ in bufs.values()], node in self.precise)
             if node.kind == "rmsnorm" and node.params["heads"] == 1:
                 self._emit(kind=self.n.OP_NORM_QUANT, op_class=2, **fields, in_=self.value(node.inputs[0]),
                            out=self._floats(width), norm_w=self.weights.vector(node.params["weight"]),
@@ -303,7 +310,7 @@ class Lowering:
         width = self._width(x)
         act = Buf(self.n.act_size(fmt, width, 2 * self.out_rows))
         fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act, "precise": 1}
-        self._scratch(width)
+        self._quant_scratch(width, [fmt], True)
         self._emit(kind=self.n.OP_NORM_QUANT, op_class=3, **fields, select_rows=1, in_=self.value(x.inputs[0]),
                    out=self._floats(width, self.out_rows), norm_w=self.weights.vector(x.params["weight"]),
                    eps=x.params["eps"])
