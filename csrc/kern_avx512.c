@@ -158,6 +158,12 @@ ALWAYS __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* A shared tail's lane pairs: (t0+t1, t2+t3, t4+t5, t6+t7), one per row. */
+ALWAYS __m128 pair_sums(__m256 tail) {
+    __m256 h = _mm256_hadd_ps(tail, tail);
+    return _mm_shuffle_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1), _MM_SHUFFLE(1, 0, 1, 0));
+}
+
 ALWAYS void store_rows(float *y, __m128 v, int n) {
     if (n >= 4) {
         _mm_storeu_ps(y, v);
@@ -182,6 +188,16 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
             for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
         }
+    }
+    if (nt && kiln_shared_tail(nt)) { /* one full-width dot for the 4 rows' 2 blocks each */
+        const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
+        wrow w;
+        prep(f, p, p + HB, 8, &w);
+        for (int t = 0; t < n; t++) {
+            __m256 tail = dot(f, &w, ag + t * stride, _mm256_setzero_ps());
+            store_rows(y + t * ldy, _mm_add_ps(reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), pair_sums(tail)), nrows);
+        }
+        return;
     }
     if (nt && f != WF_Q4K && f != WF_Q5K && f != WF_Q6K) { /* short group, as in kern_avx2.c */
         const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;

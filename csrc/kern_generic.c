@@ -90,17 +90,25 @@ void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *
                     for (int l = 0; l < 8; l++) a8[l] = acc[l] + acc[l + 8];
                     out = reduce8(a8);
                 } else {
-                    float acc[8] = {0};
+                    float acc[8] = {0}, tail[8] = {0};
+                    int shared = 0;
                     const uint8_t *p = tile;
                     int G = w->cols / KILN_GROUP, nt = w->cols % KILN_GROUP / 32;
                     for (int g = 0; g <= G; g++) {
                         int nb = g < G ? 8 : nt;
                         if (!nb) break;
+                        const uint8_t *ag = a + (size_t)g * KILN_AG_BYTES;
+                        if (g == G && kiln_shared_tail(nb)) { /* lanes 2r, 2r+1 of the tiles' shared group */
+                            group_dot(f, p, p + kiln_fmt_head_bytes(f, 8), 8, ag, tail);
+                            shared = 1;
+                            break;
+                        }
                         int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
-                        group_dot(f, p + r * hb, p + 4 * hb + r * qb, nb, a + (size_t)g * KILN_AG_BYTES, acc);
+                        group_dot(f, p + r * hb, p + 4 * hb + r * qb, nb, ag, acc);
                         p += 4 * (hb + qb);
                     }
                     out = reduce8(acc);
+                    if (shared) out += tail[2 * r] + tail[2 * r + 1];
                 }
                 y[(size_t)t * ldy + 4 * ti + r] = out;
             }
@@ -142,6 +150,7 @@ void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, i
             int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
             if (nb < 8) memset(ag, 0, KILN_AG_BYTES);
             for (int j = 0; j < nb; j++) quantize_block(xr + g * KILN_GROUP + 32 * j, ag, nb, j);
+            if (kiln_shared_tail(nb)) kiln_repeat_tail_lanes(ag);
         }
     }
 }

@@ -16,6 +16,11 @@
    ---- Integer formats: groups of 8 blocks of 32 weights (256 weights) -------------------------------
    A tile is cols/256 full groups, then (cols%256 != 0) one short group of nb = (cols%256)/32 blocks.
    A group is [H_0 H_1 H_2 H_3][Q_0 Q_1 Q_2 Q_3]: the 4 rows' headers, then the 4 rows' quants.
+   Shared tail: a short group of nb = 2 (576 = 2*256 + 64 columns, SmolLM2's width) is instead laid out
+   as one row's full group of 8 blocks, block 2r+j being block j of row r, so one full-width dot serves
+   all 4 rows (8 lanes busy instead of 2 of 8 for each row); the activation group of such a tail repeats
+   blocks 0 and 1 in every lane pair (see below). Row r adds lanes 2r and 2r+1 after its 8-lane sum:
+   out_r = reduce(acc_r) + (tail[2r] + tail[2r+1]), tail accumulated from zero. Same bytes per tile.
 
    Lane order. Inside a group, weights are stored "lane per block": chunk k (k = 0..7) holds weights
    4k..4k+3 of every block, block j at bytes 4j..4j+3. So weight i of block j sits at chunk i/4,
@@ -55,15 +60,18 @@
         qs[256] int8 in the lane order above | d[8] f32 | s[8] f32 = d*sum32 | sum32[8] i32 |
         sum16[16] i16 (sums of each block's two 16-halves, so 32-bit lane j = block j's pair).
         q = round-to-nearest-even(x * (1/d)) with d = max|x|/127 over each block of 32. A short last
-        group is padded with zero blocks; when it has nb <= 4 blocks its quants are stored in "pair"
-        order instead: bytes 32L..32L+15 hold chunk L and bytes 32L+16..32L+31 chunk L+4 (L = 0..3,
+        group is padded with zero blocks; when it has nb = 1, 3 or 4 blocks its quants are stored in
+        "pair" order instead: bytes 32L..32L+15 hold chunk L and bytes 32L+16..32L+31 chunk L+4 (L = 0..3,
         4 lanes each), so one 32-byte load meets one nibble slot and short tails cost half a group.
+        With nb = 2 (a shared tail) lanes 2..7 repeat lanes 0 and 1 (quants, d, s and sums alike): lane
+        l holds block l%2, in the order of a full group.
    Activation sums let affine and offset formats fold their minimum in once per block: Q4 adds
    m * s, Q4S/Q5 subtract 8/16 * sum32 in the integer sum, Q6K subtracts 32 * sc . sum16.
 */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
 /* WF_Q4S is last so the other values keep the numbering the executor was written against. */
@@ -126,10 +134,21 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
 static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
 
+/* A short group of 2 blocks is packed as a shared tail (see "Shared tail"). */
+static inline int kiln_shared_tail(int nb) { return nb == 2; }
+
 /* Byte of activation i of block j in an activation group holding nb blocks (see "pair" order). */
 static inline int kiln_act_byte(int nb, int j, int i) {
     int k = i >> 2;
-    return nb > 4 ? 32 * k + 4 * j + (i & 3) : 32 * (k & 3) + 16 * (k >> 2) + 4 * j + (i & 3);
+    return nb > 4 || kiln_shared_tail(nb) ? 32 * k + 4 * j + (i & 3) : 32 * (k & 3) + 16 * (k >> 2) + 4 * j + (i & 3);
+}
+
+/* Fill lanes 2..7 of a shared tail's activation group with copies of lanes 0 and 1. */
+static inline void kiln_repeat_tail_lanes(uint8_t *ag) {
+    for (int k = 0; k < 8; k++)
+        for (int l = 2; l < 8; l++) memcpy(ag + 32 * k + 4 * l, ag + 32 * k + 4 * (l & 1), 4);
+    for (int off = KILN_AG_D; off < KILN_AG_BYTES; off += 32) /* d, s, sum32, sum16: 4 bytes per lane */
+        for (int l = 2; l < 8; l++) memcpy(ag + off + 4 * l, ag + off + 4 * (l & 1), 4);
 }
 
 /* Bytes per row of one group of nb blocks (K-quants: nb = 8), split into header and quants. */

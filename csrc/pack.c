@@ -199,11 +199,19 @@ int kiln_pack(int t, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_
     else {
         size_t row_bytes = kiln_ggml_row_bytes(t, cols);
         int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32, bw = ggml_block_weights(t);
+        int bb = ggml_block_bytes(t);
         for (int ti = 0; ti < tiles; ti++) {
             uint8_t *p = dst + ti * tb;
             for (int g = 0; g <= G; g++) {
                 int nb = g < G ? 8 : nt;
                 if (!nb) break;
+                if (g == G && kiln_shared_tail(nb)) { /* the 4 rows' 2 blocks as one row of 8 */
+                    uint8_t blocks[8 * 34] = {0}; /* padding rows stay zero, so d = 0 */
+                    for (int r = 0; r < 4 && 4 * ti + r < rows; r++)
+                        memcpy(blocks + 2 * r * bb, src + (size_t)(4 * ti + r) * row_bytes + (size_t)G * 8 * bb, 2 * (size_t)bb);
+                    pack_group32(f, blocks, 8, p, p + kiln_fmt_head_bytes(f, 8));
+                    break;
+                }
                 int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
                 for (int r = 0; r < 4; r++) {
                     int row = 4 * ti + r;

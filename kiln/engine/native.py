@@ -29,7 +29,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bumped whenever a packed layout changes
 
 
 def available() -> bool:
