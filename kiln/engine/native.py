@@ -2,7 +2,8 @@
 cache, and plans compiled from the family's graph that C runs in one call per step.
 
 Two plans share the weights and the cache: a decode plan for up to `max_batch` rows and a prefill
-plan for chunks of up to `prefill_rows` rows. Each has its own arena of activations.
+plan for chunks of up to `prefill_rows` rows. They also share one arena of activations, since only one
+step runs at a time.
 """
 
 from __future__ import annotations
@@ -189,14 +190,15 @@ class NativePlan:
     """One compiled plan with its own arena of activations and per-row inputs. Buffers are reused once
     dead, unless `keep_all` (for reading every layer's output afterwards)."""
 
-    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False):
+    def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False,
+                 arena=None):
         e = engine
         low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table,
                        e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
         size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not keep_all)
-        self.arena = _native.Arena(size)
+        self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
         self.inputs = {k: whole[b.offset : b.offset + b.nbytes].view(np.int32) for k, b in inputs.items()}
@@ -241,8 +243,10 @@ class NativeEngine:
         self.load_ms = (time.perf_counter() - t0) * 1e3
 
     def _compile(self) -> None:
-        self.decode_plan = NativePlan(self, self._root, self.max_batch, self.max_batch)
+        # One step runs at a time and nothing in an arena outlives its step (step() copies the logits
+        # out), so the decode plan lays its buffers over the prefill plan's arena.
         self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out)
+        self.decode_plan = NativePlan(self, self._root, self.max_batch, self.max_batch, arena=self.prefill_plan.arena)
 
     @property
     def plans(self) -> tuple[NativePlan, NativePlan]:
