@@ -221,55 +221,81 @@ static size_t head_offset(const kiln_plan *p, const kiln_op *op, int slot, int h
 /* Each parallel op is a compute phase, which writes only the thread's scratch (its result first),
  * and a commit phase, which copies that result to the shared buffers (see pool.h). */
 
-static void qkv_unit(const kiln_op *op, int unit, int *which, int *head) {
+/* The q, k and v heads form one list (q heads, then k, then v); a chunk is `chunk_heads` consecutive
+ * heads of it, and its heads of one matrix are one run of rows, multiplied in one streaming pass. */
+static int qkv_heads(const kiln_op *op) { return op->n_heads + 2 * op->n_kv_heads; }
+
+static void qkv_head(const kiln_op *op, int h, int *which, int *head) {
     int H = op->n_heads, KV = op->n_kv_heads;
-    *which = unit < H ? 0 : unit < H + KV ? 1 : 2;
-    *head = *which == 0 ? unit : *which == 1 ? unit - H : unit - H - KV;
+    *which = h < H ? 0 : h < H + KV ? 1 : 2;
+    *head = *which == 0 ? h : *which == 1 ? h - H : h - H - KV;
 }
 
-static void qkv_compute(void *ctx, int unit, int thread) {
+/* Heads [h0, h1) of chunk c, of the list above. */
+static void qkv_chunk(const kiln_op *op, int c, int *h0, int *h1) {
+    *h0 = c * op->chunk_heads;
+    *h1 = *h0 + op->chunk_heads < qkv_heads(op) ? *h0 + op->chunk_heads : qkv_heads(op);
+}
+
+/* A chunk's result in scratch: row t's heads side by side, y[t * width + (h - h0) * hd + i]. */
+static void qkv_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int hd = op->head_dim, which, head;
-    qkv_unit(op, unit, &which, &head);
-    const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
-    const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
-    const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
-    const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
-    int r0 = head * hd;
-    float *y = scratch(p, thread), *tmp = y + (size_t)2 * j->n_rows * hd;
-    matmul_rows(w, act, act_rows(op, w, j->n_rows), y, r0, r0 + hd);
-    fold_pairs(op, w, y, j->n_rows, hd);
-    for (int t = 0; t < j->n_rows; t++) {
-        float *row = y + (size_t)t * hd;
-        if (bias)
-            for (int i = 0; i < hd; i++) row[i] += bias[r0 + i];
-        if (which == 2) continue;
-        if (norm->weight) {
-            rmsnorm(row, norm->weight, norm->eps, hd, tmp);
-            memcpy(row, tmp, sizeof(float) * hd);
-        }
-        rope(row, &op->rope, p->positions[t]);
+    int hd = op->head_dim, h0, h1, n = j->n_rows;
+    qkv_chunk(op, c, &h0, &h1);
+    int width = (h1 - h0) * hd;
+    float *y = scratch(p, thread), *tmp = y + (size_t)2 * n * width;
+    for (int h = h0; h < h1;) {
+        int which, head, which_end, head_end, e = h + 1;
+        qkv_head(op, h, &which, &head);
+        while (e < h1 && (qkv_head(op, e, &which_end, &head_end), which_end == which)) e++;
+        const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
+        const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
+        int r0 = head * hd, r1 = r0 + (e - h) * hd, off = (h - h0) * hd;
+        kiln_matmul(w, act, act_rows(op, w, n), y + off - r0, width, r0 / 4, (r1 + 3) / 4);
+        if (paired(op, w)) /* precise activations: add the second rows' share */
+            for (int t = 0; t < n; t++)
+                for (int i = off; i < off + (r1 - r0); i++) y[(size_t)t * width + i] += y[(size_t)(n + t) * width + i];
+        const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
+        const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
+        for (int t = 0; t < n; t++)
+            for (int k = 0; k < e - h; k++) {
+                float *row = y + (size_t)t * width + off + k * hd;
+                if (bias)
+                    for (int i = 0; i < hd; i++) row[i] += bias[r0 + k * hd + i];
+                if (which == 2) continue;
+                if (norm->weight) {
+                    rmsnorm(row, norm->weight, norm->eps, hd, tmp);
+                    memcpy(row, tmp, sizeof(float) * hd);
+                }
+                rope(row, &op->rope, p->positions[t]);
+            }
+        h = e;
     }
 }
 
-static void qkv_commit(void *ctx, int unit, int thread) {
+static void qkv_commit(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int hd = op->head_dim, which, head;
-    qkv_unit(op, unit, &which, &head);
+    int hd = op->head_dim, h0, h1;
+    qkv_chunk(op, c, &h0, &h1);
+    int width = (h1 - h0) * hd;
     const float *y = scratch(p, thread);
-    for (int t = 0; t < j->n_rows; t++) {
-        const float *row = y + (size_t)t * hd;
-        size_t base = head_offset(p, op, p->slots[t], head);
-        if (which == 0)
-            memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
-        else if (which == 1)
-            kiln_store_key(row, op->k_cache + base, p->positions[t], hd);
-        else
-            kiln_store_half(row, op->v_cache + base + (size_t)p->positions[t] * hd, hd);
+    for (int h = h0; h < h1; h++) {
+        int which, head;
+        qkv_head(op, h, &which, &head);
+        for (int t = 0; t < j->n_rows; t++) {
+            const float *row = y + (size_t)t * width + (h - h0) * hd;
+            size_t base = head_offset(p, op, p->slots[t], head);
+            if (which == 0)
+                memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
+            else if (which == 1)
+                kiln_store_key(row, op->k_cache + base, p->positions[t], hd);
+            else
+                kiln_store_half(row, op->v_cache + base + (size_t)p->positions[t] * hd, hd);
+        }
     }
 }
 
@@ -489,7 +515,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
         }
         return 0;
     case OP_NORM_QUANT: case OP_QUANT: return quantize_op(p, op, j);
-    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, op->n_heads + 2 * op->n_kv_heads);
+    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, (qkv_heads(op) + op->chunk_heads - 1) / op->chunk_heads);
     case OP_ATTN: return kiln_pool_run(p->pool, attn_compute, attn_commit, j, p->n_blocks * op->n_kv_heads);
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));
     case OP_GLU: return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(op));

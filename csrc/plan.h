@@ -75,7 +75,8 @@ typedef struct kiln_op {
     float *q;                       /* [rows][n_heads*head_dim] */
     uint16_t *k_cache, *v_cache;    /* this layer's [slots][kv heads][n_ctx][head_dim], fp16 */
     /* chunking */
-    int chunk_tiles;
+    int chunk_tiles; /* matrix ops: tiles per chunk */
+    int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see plan.c); matmul ops: consume such pairs */
 } kiln_op;

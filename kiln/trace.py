@@ -84,7 +84,7 @@ def describe(engine, nplan) -> list[OpInfo]:
         if kind in ("MATMUL", "GLU", "LOGITS"):
             chunks = -(-tiles // op["chunk_tiles"])
         elif kind == "QKV":
-            chunks = op["n_heads"] + 2 * op["n_kv_heads"]
+            chunks = -(-(op["n_heads"] + 2 * op["n_kv_heads"]) // op["chunk_heads"])
         elif kind == "ATTN":
             chunks = op["n_kv_heads"]  # one block of rows per sequence in decode
         else:

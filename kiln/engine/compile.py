@@ -276,10 +276,16 @@ class Lowering:
             index[f"{name}_act"] = list(acts).index(self.n.act_kind(self._fmt(lin.params["weight"])))
             if lin.params["bias"] is not None:
                 index[f"b{name}"] = self.weights.vector(lin.params["bias"])
-        self._scratch(2 * self.rows * hd + hd)
+        # Chunks of several heads, two per thread: each is one longer streaming pass over a matrix (one
+        # 64-wide head of a 576-wide Q4_1 matrix is only 23 KB). Against a head per chunk: SmolLM2's
+        # decode spends 10% less time in this op, the Qwen3-0.6B shape 6%.
+        heads = attn.n_heads + 2 * attn.n_kv_heads
+        chunk_heads = -(-heads // (2 * self.threads))
+        self._scratch(2 * self.rows * chunk_heads * hd + hd)
         common = dict(layer=layer, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=hd, q=q,
                       k_cache=k_cache, v_cache=v_cache)
         self._emit(kind=self.n.OP_QKV, op_class=0, **fields, **index, **norms, **common, precise=int(h in self.precise),
+                   chunk_heads=chunk_heads,
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
