@@ -57,39 +57,34 @@ static inline __attribute__((target("avx2,fma,f16c"))) __m256 load8h(const uint1
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* 4 queries × 16 keys per inner step: per dimension, 2 key loads and 4 broadcasts feed 8 FMAs. */
+/* nq (1..4, a constant once inlined) queries × 16 keys: per dimension, 2 key loads feed 2·nq FMAs, so
+ * the keys of a GQA group's 3 query heads are converted once, not once per head. */
+static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void scores_16(const float *q, int nq, int hd,
+                                                                                  const uint16_t *k0, const uint16_t *k1,
+                                                                                  float *s) {
+    __m256 a[4], b[4];
+    for (int r = 0; r < nq; r++) a[r] = b[r] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
+        for (int r = 0; r < nq; r++) {
+            __m256 c = _mm256_broadcast_ss(q + r * hd + d);
+            a[r] = _mm256_fmadd_ps(c, x0, a[r]), b[r] = _mm256_fmadd_ps(c, x1, b[r]);
+        }
+    }
+    for (int r = 0; r < nq; r++) _mm256_storeu_ps(s + r * TILE, a[r]), _mm256_storeu_ps(s + r * TILE + 8, b[r]);
+}
+
 AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s) {
     const size_t group = (size_t)hd * KEY_GROUP;
     int j = 0;
     for (; j + 16 <= nk; j += 16) {
         const uint16_t *k0 = kg + (j / KEY_GROUP) * group, *k1 = k0 + group;
         int r = 0;
-        for (; r + 4 <= nq; r += 4) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-            const float *q0 = q + r * hd;
-            for (int d = 0; d < hd; d++) {
-                __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
-                __m256 c0 = _mm256_broadcast_ss(q0 + d), c1 = _mm256_broadcast_ss(q0 + hd + d);
-                __m256 c2 = _mm256_broadcast_ss(q0 + 2 * hd + d), c3 = _mm256_broadcast_ss(q0 + 3 * hd + d);
-                a0 = _mm256_fmadd_ps(c0, x0, a0), b0 = _mm256_fmadd_ps(c0, x1, b0);
-                a1 = _mm256_fmadd_ps(c1, x0, a1), b1 = _mm256_fmadd_ps(c1, x1, b1);
-                a2 = _mm256_fmadd_ps(c2, x0, a2), b2 = _mm256_fmadd_ps(c2, x1, b2);
-                a3 = _mm256_fmadd_ps(c3, x0, a3), b3 = _mm256_fmadd_ps(c3, x1, b3);
-            }
-            float *sr = s + r * TILE + j;
-            _mm256_storeu_ps(sr, a0), _mm256_storeu_ps(sr + 8, b0);
-            _mm256_storeu_ps(sr + TILE, a1), _mm256_storeu_ps(sr + TILE + 8, b1);
-            _mm256_storeu_ps(sr + 2 * TILE, a2), _mm256_storeu_ps(sr + 2 * TILE + 8, b2);
-            _mm256_storeu_ps(sr + 3 * TILE, a3), _mm256_storeu_ps(sr + 3 * TILE + 8, b3);
-        }
-        for (; r < nq; r++) {
-            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
-            for (int d = 0; d < hd; d++) {
-                __m256 c = _mm256_broadcast_ss(q + r * hd + d);
-                a0 = _mm256_fmadd_ps(c, load8h(k0 + d * KEY_GROUP), a0);
-                b0 = _mm256_fmadd_ps(c, load8h(k1 + d * KEY_GROUP), b0);
-            }
-            _mm256_storeu_ps(s + r * TILE + j, a0), _mm256_storeu_ps(s + r * TILE + j + 8, b0);
+        for (; r + 4 <= nq; r += 4) scores_16(q + r * hd, 4, hd, k0, k1, s + r * TILE + j);
+        switch (nq - r) {
+        case 3: scores_16(q + r * hd, 3, hd, k0, k1, s + r * TILE + j); break;
+        case 2: scores_16(q + r * hd, 2, hd, k0, k1, s + r * TILE + j); break;
+        case 1: scores_16(q + r * hd, 1, hd, k0, k1, s + r * TILE + j); break;
         }
     }
     for (; j < nk; j += KEY_GROUP) {
@@ -102,33 +97,31 @@ AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg,
     }
 }
 
-/* Per key and 16 dimensions, the value is converted once and used by every query; 2 queries per
- * pass keep the accumulators in registers. hd is a multiple of 16 on this path. */
+/* nq (1..4) queries × 16 dimensions: each value is converted once and used by every query. */
+static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void accumulate_16(const float *p, int nq, int nk,
+                                                                                      const uint16_t *v, int hd,
+                                                                                      float *o) {
+    __m256 a[4], b[4];
+    for (int r = 0; r < nq; r++) a[r] = _mm256_loadu_ps(o + r * hd), b[r] = _mm256_loadu_ps(o + r * hd + 8);
+    for (int j = 0; j < nk; j++) {
+        __m256 v0 = load8h(v + (size_t)j * hd), v1 = load8h(v + (size_t)j * hd + 8);
+        for (int r = 0; r < nq; r++) {
+            __m256 pr = _mm256_broadcast_ss(p + r * TILE + j);
+            a[r] = _mm256_fmadd_ps(pr, v0, a[r]), b[r] = _mm256_fmadd_ps(pr, v1, b[r]);
+        }
+    }
+    for (int r = 0; r < nq; r++) _mm256_storeu_ps(o + r * hd, a[r]), _mm256_storeu_ps(o + r * hd + 8, b[r]);
+}
+
+/* hd is a multiple of 16 on this path. */
 AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o) {
     for (int d = 0; d < hd; d += 16) {
         int r = 0;
-        for (; r + 2 <= nq; r += 2) {
-            float *o0 = o + r * hd + d, *o1 = o0 + hd;
-            __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8);
-            __m256 b0 = _mm256_loadu_ps(o1), b1 = _mm256_loadu_ps(o1 + 8);
-            for (int j = 0; j < nk; j++) {
-                __m256 v0 = load8h(v + (size_t)j * hd + d), v1 = load8h(v + (size_t)j * hd + d + 8);
-                __m256 p0 = _mm256_broadcast_ss(p + r * TILE + j), p1 = _mm256_broadcast_ss(p + (r + 1) * TILE + j);
-                a0 = _mm256_fmadd_ps(p0, v0, a0), a1 = _mm256_fmadd_ps(p0, v1, a1);
-                b0 = _mm256_fmadd_ps(p1, v0, b0), b1 = _mm256_fmadd_ps(p1, v1, b1);
-            }
-            _mm256_storeu_ps(o0, a0), _mm256_storeu_ps(o0 + 8, a1);
-            _mm256_storeu_ps(o1, b0), _mm256_storeu_ps(o1 + 8, b1);
-        }
-        for (; r < nq; r++) {
-            float *o0 = o + r * hd + d;
-            __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8);
-            for (int j = 0; j < nk; j++) {
-                __m256 p0 = _mm256_broadcast_ss(p + r * TILE + j);
-                a0 = _mm256_fmadd_ps(p0, load8h(v + (size_t)j * hd + d), a0);
-                a1 = _mm256_fmadd_ps(p0, load8h(v + (size_t)j * hd + d + 8), a1);
-            }
-            _mm256_storeu_ps(o0, a0), _mm256_storeu_ps(o0 + 8, a1);
+        for (; r + 4 <= nq; r += 4) accumulate_16(p + r * TILE, 4, nk, v + d, hd, o + r * hd + d);
+        switch (nq - r) {
+        case 3: accumulate_16(p + r * TILE, 3, nk, v + d, hd, o + r * hd + d); break;
+        case 2: accumulate_16(p + r * TILE, 2, nk, v + d, hd, o + r * hd + d); break;
+        case 1: accumulate_16(p + r * TILE, 1, nk, v + d, hd, o + r * hd + d); break;
         }
     }
 }
@@ -174,14 +167,16 @@ void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
     for (int d = 0; d < hd; d++) head_keys[kiln_key_index(pos, d, hd)] = half[d];
 }
 
-size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + 2 * hd + 2); }
+size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd); }
 
-void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                 int first, int pos0, int window, float scale, float *scratch, float *out, int out_stride, int negate) {
+void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float *scratch, float *o,
+                      float *m, float *l) {
     const attn_kernels *k = kernels_for(hd);
-    int nq = rows * group, last = pos0 + rows - 1;
-    /* scratch: scores, outputs, running max and sum, scaled queries */
-    float *s = scratch, *o = s + (size_t)nq * TILE, *m = o + (size_t)nq * hd, *l = m + nq, *qs = l + nq;
+    int nq = rows * group, last = pos0 + rows - 1 < key_hi - 1 ? pos0 + rows - 1 : key_hi - 1;
+    if (first < key_lo) first = key_lo;
+    /* scratch: scores, scaled queries */
+    float *s = scratch, *qs = s + (size_t)nq * TILE;
     memset(o, 0, sizeof(float) * (size_t)nq * hd);
     for (int r = 0; r < nq; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows; i++)
@@ -195,7 +190,8 @@ void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, cons
         k->scores(qs, nq, hd, K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, nk_groups, s);
         for (int i = 0; i < rows; i++) {
             int pos = pos0 + i, lo = window > 0 && pos - window + 1 > first ? pos - window + 1 : first;
-            int a = lo - j0 > 0 ? lo - j0 : 0, b = pos - j0 + 1 < nk ? pos - j0 + 1 : nk; /* visible [a, b) */
+            int hi = pos < last ? pos : last;
+            int a = lo - j0 > 0 ? lo - j0 : 0, b = hi - j0 + 1 < nk ? hi - j0 + 1 : nk; /* visible [a, b) */
             for (int g = 0; g < group; g++) {
                 int r = i * group + g;
                 float *sr = s + (size_t)r * TILE;
@@ -219,11 +215,21 @@ void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, cons
         }
         k->accumulate(s, nq, nk, V + (size_t)j0 * hd, hd, o);
     }
-    float sign = negate ? -1.0f : 1.0f;
-    for (int i = 0; i < rows; i++)
-        for (int g = 0; g < group; g++) {
-            int r = i * group + g;
-            float inv = l[r] > 0.0f ? sign / l[r] : 0.0f;
-            for (int d = 0; d < hd; d++) out[(size_t)i * out_stride + g * hd + d] = o[(size_t)r * hd + d] * inv;
-        }
+}
+
+void kiln_attend_merge(int n_parts, const float *const *o, const float *const *m, const float *const *l, int hd,
+                       int negate, float *out) {
+    float mx = -INFINITY;
+    for (int p = 0; p < n_parts; p++) mx = m[p][0] > mx ? m[p][0] : mx;
+    float sum = 0.0f, w[n_parts > 0 ? n_parts : 1];
+    for (int p = 0; p < n_parts; p++) {
+        w[p] = m[p][0] == -INFINITY ? 0.0f : expf(m[p][0] - mx);
+        sum += l[p][0] * w[p];
+    }
+    float inv = sum > 0.0f ? (negate ? -1.0f : 1.0f) / sum : 0.0f;
+    for (int d = 0; d < hd; d++) {
+        float acc = o[0][d] * w[0];
+        for (int p = 1; p < n_parts; p++) acc += o[p][d] * w[p];
+        out[d] = acc * inv;
+    }
 }

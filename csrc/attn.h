@@ -4,13 +4,22 @@
 #include <stdint.h>
 
 /* Attention of `rows` consecutive positions pos0.. of one sequence, for the `group` query heads that
- * share one KV head. q: row i, head g at q[i*q_stride + g*hd]; K: this head's keys (layout below),
- * V: this head's values, hd per position; keys first..pos are visible to position pos (and within `window` when it is > 0); out
- * like q, with out_stride (negated when `negate`, a debug switch). */
-void kiln_attend(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                 int first, int pos0, int window, float scale, float *scratch, float *out, int out_stride, int negate);
+ * share one KV head, over the keys in [key_lo, key_hi) only: one part of a context split for the
+ * threads. q: row i, head g at q[i*q_stride + g*hd]; K: this head's keys (layout below), V: this head's
+ * values, hd per position; keys first..pos are visible to position pos (and within `window` when it is
+ * > 0). Query r = i*group + g gets its running max m[r], its sum of exponentials l[r] and its
+ * unnormalized output o[r*hd ..] (zero and -inf when it sees no key of the part). */
+void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float *scratch, float *o,
+                      float *m, float *l);
 
-/* Floats of scratch kiln_attend needs for rows * group queries. */
+/* One query's output from its parts' (o, m, l), in part order: out = sum_p o_p e^(m_p - m) / sum_p
+ * l_p e^(m_p - m) with m the largest m_p (negated when `negate`, a debug switch). A single part is
+ * exactly o / l. */
+void kiln_attend_merge(int n_parts, const float *const *o, const float *const *m, const float *const *l, int hd,
+                       int negate, float *out);
+
+/* Floats of scratch kiln_attend_part needs for rows * group queries. */
 size_t kiln_attend_scratch(int n_queries, int hd);
 
 /* fp32 → fp16 with round-to-nearest-even (the KV cache's storage format). */

@@ -299,39 +299,102 @@ static void qkv_commit(void *ctx, int c, int thread) {
     }
 }
 
-/* Attention chunk c: KV head g of row block (first row t0, `rows` rows). */
-static void attn_unit(const kiln_plan *p, const kiln_op *op, int c, int *t0, int *rows, int *g) {
-    int b = c / op->n_kv_heads;
-    *g = c % op->n_kv_heads;
-    *t0 = p->blocks[2 * b], *rows = p->blocks[2 * b + 1];
+/* Attention is split three ways for the pool: a block of rows (one sequence's consecutive positions),
+ * a KV head, and a part of the context: keys [k*ATTN_SPAN, (k+1)*ATTN_SPAN). The parts let both threads
+ * share a long context when there are fewer KV heads than chunks would balance (SmolLM2: 3 KV heads on
+ * 2 threads). Where a part ends depends on positions alone, never on the batch or the threads, so a
+ * row's result does not either. A chunk computes its part's unnormalized output, running max and sum
+ * (kiln_attend_part) and commits them to plan->attn_partial; the caller merges the parts in order. */
+
+/* A block's keys: from its first visible key to its last row's position. */
+static void block_keys(const kiln_plan *p, const kiln_op *op, int b, int *first, int *last) {
+    int t0 = p->blocks[2 * b], pos0 = p->positions[t0];
+    *first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
+    *last = pos0 + p->blocks[2 * b + 1] - 1;
 }
 
-/* The attention result of a chunk: its block's rows, `group` heads of hd each. */
+static int block_parts(const kiln_plan *p, const kiln_op *op, int b) {
+    int first, last;
+    block_keys(p, op, b, &first, &last);
+    return last / ATTN_SPAN - first / ATTN_SPAN + 1;
+}
+
+/* Lay out this op's chunks (block, head, part) and their partial results; returns the chunk count. */
+static int attention_units(kiln_plan *p, const kiln_op *op) {
+    int units = 0;
+    size_t floats = 0, per_query = (size_t)op->head_dim + 2;
+    for (int b = 0; b < p->n_blocks; b++) {
+        int parts = block_parts(p, op, b), rows = p->blocks[2 * b + 1];
+        p->attn_unit0[b] = units, p->attn_floats0[b] = floats;
+        units += op->n_kv_heads * parts;
+        floats += (size_t)op->n_heads * parts * rows * per_query;
+    }
+    p->attn_unit0[p->n_blocks] = units;
+    return units;
+}
+
+typedef struct {
+    int b, g, part, t0, rows, key_lo, key_hi, first, pos0;
+    float *partial; /* o (rows*group*hd), then m and l (rows*group each) */
+} attn_chunk;
+
+/* Chunk c of this op. A late worker may read a newer op's layout: every field is clamped to the step's
+ * blocks, so it computes garbage into its own scratch, never outside (pool.h). */
+static int attn_chunk_of(const kiln_plan *p, const kiln_op *op, int c, attn_chunk *a) {
+    int b = 0;
+    while (b + 1 < p->n_blocks && p->attn_unit0[b + 1] <= c) b++;
+    int parts = block_parts(p, op, b), within = c - p->attn_unit0[b];
+    if (within < 0 || within >= op->n_kv_heads * parts) return 0;
+    int last, group = op->n_heads / op->n_kv_heads, nq;
+    a->b = b, a->g = within / parts, a->part = within % parts;
+    a->t0 = p->blocks[2 * b], a->rows = p->blocks[2 * b + 1], a->pos0 = p->positions[a->t0];
+    block_keys(p, op, b, &a->first, &last);
+    a->key_lo = (a->first / ATTN_SPAN + a->part) * ATTN_SPAN, a->key_hi = a->key_lo + ATTN_SPAN;
+    nq = a->rows * group;
+    a->partial = p->attn_partial + p->attn_floats0[b] + ((size_t)a->g * parts + a->part) * nq * (op->head_dim + 2);
+    return 1;
+}
+
 static void attn_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int t0, rows, g;
-    attn_unit(p, op, c, &t0, &rows, &g);
-    int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd;
-    int pos0 = p->positions[t0], first = op->window > 0 && pos0 - op->window + 1 > 0 ? pos0 - op->window + 1 : 0;
-    size_t base = head_offset(p, op, p->slots[t0], g);
-    float *result = scratch(p, thread), *work = result + (size_t)ATTN_BLOCK * group * hd;
-    kiln_attend(op->q + (size_t)t0 * q_dim + (size_t)g * group * hd, rows, group, hd, q_dim, op->k_cache + base,
-                op->v_cache + base, first, pos0, op->window, op->scale, work, result, group * hd, op->negate);
+    attn_chunk a;
+    if (!attn_chunk_of(p, op, c, &a)) return;
+    int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd, nq = a.rows * group;
+    size_t base = head_offset(p, op, p->slots[a.t0], a.g);
+    float *o = scratch(p, thread), *m = o + (size_t)nq * hd, *l = m + nq, *work = l + nq;
+    kiln_attend_part(op->q + (size_t)a.t0 * q_dim + (size_t)a.g * group * hd, a.rows, group, hd, q_dim,
+                     op->k_cache + base, op->v_cache + base, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
+                     op->scale, work, o, m, l);
 }
 
 static void attn_commit(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
-    int t0, rows, g;
-    attn_unit(p, op, c, &t0, &rows, &g);
+    attn_chunk a;
+    if (!attn_chunk_of(p, op, c, &a)) return;
+    int nq = a.rows * (op->n_heads / op->n_kv_heads);
+    memcpy(a.partial, scratch(p, thread), sizeof(float) * (size_t)nq * (op->head_dim + 2));
+}
+
+/* Every query's parts, merged in order into op->out. */
+static void attention_merge(const kiln_plan *p, const kiln_op *op) {
     int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd;
-    const float *result = scratch(p, thread);
-    for (int i = 0; i < rows; i++)
-        memcpy(op->out + (size_t)(t0 + i) * q_dim + (size_t)g * group * hd, result + (size_t)i * group * hd,
-               sizeof(float) * group * hd);
+    for (int b = 0; b < p->n_blocks; b++) {
+        int parts = block_parts(p, op, b), t0 = p->blocks[2 * b], rows = p->blocks[2 * b + 1], nq = rows * group;
+        const float *o[parts], *m[parts], *l[parts];
+        for (int g = 0; g < op->n_kv_heads; g++)
+            for (int r = 0; r < nq; r++) {
+                for (int k = 0; k < parts; k++) {
+                    const float *part = p->attn_partial + p->attn_floats0[b] + ((size_t)g * parts + k) * nq * (hd + 2);
+                    o[k] = part + (size_t)r * hd, m[k] = part + (size_t)nq * hd + r, l[k] = part + (size_t)nq * (hd + 1) + r;
+                }
+                int i = r / group, h = g * group + r % group;
+                kiln_attend_merge(parts, o, m, l, hd, op->negate, op->out + (size_t)(t0 + i) * q_dim + (size_t)h * hd);
+            }
+    }
 }
 
 /* Split rows into blocks of one slot at consecutive positions, at most ATTN_BLOCK long. */
@@ -516,7 +579,11 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
         return 0;
     case OP_NORM_QUANT: case OP_QUANT: return quantize_op(p, op, j);
     case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, (qkv_heads(op) + op->chunk_heads - 1) / op->chunk_heads);
-    case OP_ATTN: return kiln_pool_run(p->pool, attn_compute, attn_commit, j, p->n_blocks * op->n_kv_heads);
+    case OP_ATTN: {
+        int64_t wait = kiln_pool_run(p->pool, attn_compute, attn_commit, j, attention_units(p, op));
+        attention_merge(p, op);
+        return wait;
+    }
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));
     case OP_GLU: return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(op));
     case OP_LOGITS: {

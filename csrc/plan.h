@@ -27,6 +27,7 @@ enum { ACT_SILU, ACT_GELU_TANH };
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
 #define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
+#define ATTN_SPAN 512 /* keys per part of a context that attention splits for the threads */
 
 typedef struct {
     const float *weight; /* NULL: no norm */
@@ -98,6 +99,9 @@ struct kiln_plan {
     /* per-row inputs, written by the caller before each run */
     int32_t *tokens, *slots, *positions, *row_sel;
     int32_t *blocks; /* attention: (first row, rows) of each run of one sequence, set at each run */
+    int32_t *attn_unit0;   /* attention: each block's first chunk (and the total after the last block) */
+    size_t *attn_floats0;  /* attention: where each block's partial results start in attn_partial */
+    float *attn_partial;   /* attention: every chunk's (o, m, l) for the merge */
     float *logit_floor; /* output head: per logits row, the floor above which logits are refined */
     int n_blocks;
     float *logits;        /* [max_rows][vocab] */

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #define MAX_THREADS 64
-#define MAX_CHUNKS 4096
+#define MAX_CHUNKS 16384
 #define SPIN_NS 200000 /* a worker spins this long for the next job before sleeping */
 
 /* Chunk states carry the job number, so a late worker can never touch a later job's bookkeeping.

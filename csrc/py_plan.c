@@ -257,6 +257,9 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.ops);
     PyMem_Free(p->plan.jobs);
     PyMem_Free(p->plan.blocks);
+    PyMem_Free(p->plan.attn_unit0);
+    PyMem_Free(p->plan.attn_floats0);
+    PyMem_Free(p->plan.attn_partial);
     PyMem_Free(p->plan.logit_floor);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_ns);
@@ -291,6 +294,16 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
     k->jobs = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(kiln_job));
     k->blocks = PyMem_Calloc(2 * (size_t)rows + 2, sizeof(int32_t));
+    k->attn_unit0 = PyMem_Calloc((size_t)rows + 2, sizeof(int32_t));
+    k->attn_floats0 = PyMem_Calloc((size_t)rows + 2, sizeof(size_t));
+    /* every row's queries, each (o, m, l) per part: at most n_ctx / ATTN_SPAN + 1 parts */
+    size_t per_row = 0;
+    for (int i = 0; i < k->n_ops; i++) {
+        const kiln_op *op = (const kiln_op *)ops.buf + i;
+        if (op->kind == OP_ATTN && (size_t)op->n_heads * (op->head_dim + 2) > per_row)
+            per_row = (size_t)op->n_heads * (op->head_dim + 2);
+    }
+    k->attn_partial = PyMem_Calloc((size_t)rows * per_row * ((size_t)n_ctx / ATTN_SPAN + 1) + 1, sizeof(float));
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
@@ -300,7 +313,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->blocks || !k->logit_floor || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
+    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
         !k->op_t1_ns) {
         PyBuffer_Release(&ops);
         Py_DECREF(p);

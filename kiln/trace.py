@@ -32,7 +32,7 @@ from kiln.errors import KilnError
 CLASSES = ("matmul", "attention", "norm/rope/act/quant", "lm head", "embedding")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 CHROME_DECODE_STEPS = 4
-MAX_CHUNKS = 4096  # csrc/pool.c: a job with more chunks runs on the calling thread
+MAX_CHUNKS = 16384  # csrc/pool.c: a job with more chunks runs on the calling thread
 SUM_TOLERANCE = 0.05
 OVERHEAD_LIMIT = 0.03
 now = time.monotonic_ns
@@ -86,7 +86,7 @@ def describe(engine, nplan) -> list[OpInfo]:
         elif kind == "QKV":
             chunks = -(-(op["n_heads"] + 2 * op["n_kv_heads"]) // op["chunk_heads"])
         elif kind == "ATTN":
-            chunks = op["n_kv_heads"]  # one block of rows per sequence in decode
+            chunks = op["n_kv_heads"]  # decode: one block of rows per sequence, one part below 512 keys
         else:
             chunks = 1
         if threads == 1 or chunks > MAX_CHUNKS:

@@ -290,7 +290,7 @@ class Lowering:
         out = self._floats(attn.n_heads * hd)
         group = attn.n_heads // attn.n_kv_heads
         queries = self.n.ATTN_BLOCK * group
-        self._scratch(queries * hd + self.n.attend_scratch(queries, hd))
+        self._scratch(queries * (hd + 2) + self.n.attend_scratch(queries, hd))  # (o, m, l), then the kernel's
         self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
         return out
