@@ -124,3 +124,18 @@ def test_held_back_text_is_released_at_length_limit():
 def test_stop_token_ends_without_text():
     s = seq(stop_ids={ord("#")})
     assert run(s, "ab#cd") == "ab" and s.finish_reason == "stop" and s.output_ids[-1] == ord("#")
+
+
+def test_penalties_in_place_leave_the_logits_unchanged():
+    """The sampler penalizes the window's ids in the caller's array and puts them back: the logits come
+    back as they were, and every draw equals one from a penalized copy."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(1000).astype(np.float32)
+    before = logits.copy()
+    history = [int(t) for t in rng.integers(0, 1000, 100)]
+    p = SamplingParams(repeat_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1, top_k=0, top_p=1.0, seed=7)
+    in_place, from_copy = Sampler(p), Sampler(p)
+    draws = [in_place(logits, history) for _ in range(200)]
+    assert draws == [from_copy(apply_penalties(logits, history, p)) for _ in range(200)]
+    assert np.array_equal(logits, before)
+    assert len(set(draws)) > 20  # a real distribution, not one token

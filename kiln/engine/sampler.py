@@ -53,21 +53,30 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
-    """llama.cpp's repetition penalty (divide positive logits, multiply negative ones) over the last
-    `repeat_last_n` tokens (-1: all), then OpenAI's presence and frequency penalties over the same window."""
+def penalized(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ids llama.cpp's repetition penalty (divide positive logits, multiply negative ones) and OpenAI's
+    presence and frequency penalties touch, over the last `repeat_last_n` tokens (-1: all), and their
+    new values; None when nothing changes."""
     if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
-        return logits
+        return None
     window = history if p.repeat_last_n == -1 else history[len(history) - p.repeat_last_n :] if p.repeat_last_n else []
     if len(window) == 0:
-        return logits
+        return None
     counted = Counter(window)
     ids = np.fromiter(counted.keys(), dtype=np.int64, count=len(counted))
     counts = np.fromiter(counted.values(), dtype=np.float64, count=len(counted))
+    seen = logits[ids]
+    values = np.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
+    return ids, (values - (p.presence_penalty + p.frequency_penalty * counts)).astype(logits.dtype)
+
+
+def apply_penalties(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
+    """`logits` with the penalties of `penalized` applied (a copy when any applies)."""
+    change = penalized(logits, history, p)
+    if change is None:
+        return logits
     out = logits.copy()
-    seen = out[ids]
-    out[ids] = np.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
-    out[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    out[change[0]] = change[1]
     return out
 
 
@@ -135,7 +144,22 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
         """Next token id. `allowed` (bool per token) restricts the choice, e.g. to a JSON grammar."""
-        logits = apply_penalties(logits, history, self.params)
+        change = penalized(logits, history, self.params)
+        if change is None:
+            return self._choose(logits, allowed)
+        if not logits.flags.writeable:
+            return self._choose(apply_penalties(logits, history, self.params), allowed)
+        # Penalize the few ids in place and put them back after, instead of copying the whole vocabulary's
+        # logits for every token (7% of a serving engine thread at 8 streams).
+        ids, values = change
+        saved = logits[ids]
+        logits[ids] = values
+        try:
+            return self._choose(logits, allowed)
+        finally:
+            logits[ids] = saved
+
+    def _choose(self, logits: np.ndarray, allowed: np.ndarray | None) -> int:
         if allowed is not None:
             logits = np.where(allowed[: logits.size], logits, -np.inf)
         if self.params.temperature == 0.0:

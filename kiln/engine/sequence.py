@@ -124,7 +124,7 @@ class Sequence:
         """The next token; `ahead` are tokens a speculative pass accepted but not yet appended, which the
         penalties must see."""
         allowed = self.constraint.allowed() if self.constraint is not None else None
-        token = self.sampler(logits, self.all_ids + list(ahead), allowed)
+        token = self.sampler(logits, self.all_ids + list(ahead) if ahead else self.all_ids, allowed)
         self.note_logprob(logits, token)
         return token
 
