@@ -102,6 +102,7 @@ struct kiln_plan {
     int32_t *attn_unit0;   /* attention: each block's first chunk (and the total after the last block) */
     size_t *attn_floats0;  /* attention: where each block's partial results start in attn_partial */
     float *attn_partial;   /* attention: every chunk's (o, m, l) for the merge */
+    size_t attn_partial_bytes;
     float *logit_floor; /* output head: per logits row, the floor above which logits are refined */
     int n_blocks;
     float *logits;        /* [max_rows][vocab] */

@@ -259,7 +259,7 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.blocks);
     PyMem_Free(p->plan.attn_unit0);
     PyMem_Free(p->plan.attn_floats0);
-    PyMem_Free(p->plan.attn_partial);
+    if (p->plan.attn_partial) munmap(p->plan.attn_partial, p->plan.attn_partial_bytes);
     PyMem_Free(p->plan.logit_floor);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_ns);
@@ -303,7 +303,14 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         if (op->kind == OP_ATTN && (size_t)op->n_heads * (op->head_dim + 2) > per_row)
             per_row = (size_t)op->n_heads * (op->head_dim + 2);
     }
-    k->attn_partial = PyMem_Calloc((size_t)rows * per_row * ((size_t)n_ctx / ATTN_SPAN + 1) + 1, sizeof(float));
+    /* sized for the longest context, used as far as the step's positions reach: mapped, not allocated,
+     * so pages a step never touches are never resident (a heap calloc may zero all of it) */
+    k->attn_partial_bytes = sizeof(float) * ((size_t)rows * per_row * ((size_t)n_ctx / ATTN_SPAN + 1) + 1);
+    k->attn_partial = mmap(NULL, k->attn_partial_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (k->attn_partial == MAP_FAILED) k->attn_partial = NULL;
+#ifdef MADV_NOHUGEPAGE
+    else madvise(k->attn_partial, k->attn_partial_bytes, MADV_NOHUGEPAGE);
+#endif
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
