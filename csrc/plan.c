@@ -461,12 +461,27 @@ static void glu_compute(void *ctx, int c, int thread) {
     for (int t = 0; t < j->n_rows; t++) glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 
+/* A chunk's logits (n_out rows of r1 - r0), then each row's largest of them. */
 static void logits_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     int r0, r1;
     chunk_rows(op, c, &r0, &r1);
-    matmul_rows(op->w, op->act[op->w_act], j->n_out, scratch(j->plan, thread), r0, r1);
+    int n = r1 - r0;
+    float *y = scratch(j->plan, thread), *best = y + (size_t)j->n_out * n;
+    matmul_rows(op->w, op->act[op->w_act], j->n_out, y, r0, r1);
+    if (!paired(op, op->w)) return;
+    for (int t = 0; t < j->n_out; t++) {
+        const float *yt = y + (size_t)t * n;
+        float m[8]; /* 8 running maxima: no chain of dependent compares (a NaN never wins either way) */
+        for (int k = 0; k < 8; k++) m[k] = -INFINITY;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int k = 0; k < 8; k++) m[k] = yt[i + k] > m[k] ? yt[i + k] : m[k];
+        for (; i < n; i++) m[0] = yt[i] > m[0] ? yt[i] : m[0];
+        for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
+        best[t] = m[0];
+    }
 }
 
 /* The output head with precise activations: every logit from the first rows (above), then, in a second
@@ -479,18 +494,21 @@ static void logits_compute(void *ctx, int c, int thread) {
  * vocabulary to the tiles holding a few hundred candidates. */
 #define LOGIT_MARGIN 4.0f
 
-static void set_logit_floors(const kiln_plan *p, const kiln_op *op, int n_out) {
+/* Each row's floor from its chunks' maxima, and the chunks holding a logit above some row's floor. */
+static int set_logit_floors(kiln_plan *p, const kiln_op *op, int n_out, int n_chunks) {
     for (int t = 0; t < n_out; t++) {
-        const float *y = op->out + (size_t)t * op->rows;
-        float m[8]; /* 8 running maxima: no chain of dependent compares (a NaN never wins either way) */
-        for (int k = 0; k < 8; k++) m[k] = -INFINITY;
-        int r = 0;
-        for (; r + 8 <= op->rows; r += 8)
-            for (int k = 0; k < 8; k++) m[k] = y[r + k] > m[k] ? y[r + k] : m[k];
-        for (; r < op->rows; r++) m[0] = y[r] > m[0] ? y[r] : m[0];
-        for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
-        p->logit_floor[t] = m[0] - LOGIT_MARGIN;
+        float m = -INFINITY;
+        for (int c = 0; c < n_chunks; c++) m = p->chunk_best[(size_t)c * n_out + t] > m ? p->chunk_best[(size_t)c * n_out + t] : m;
+        p->logit_floor[t] = m - LOGIT_MARGIN;
     }
+    int n = 0;
+    for (int c = 0; c < n_chunks; c++)
+        for (int t = 0; t < n_out; t++)
+            if (p->chunk_best[(size_t)c * n_out + t] >= p->logit_floor[t]) {
+                p->refine_chunks[n++] = c;
+                break;
+            }
+    return n;
 }
 
 /* Whether output row t refines any logit of tile `tile` (rows [a, b) of the vocabulary). */
@@ -504,9 +522,10 @@ static int tile_refined(const kiln_plan *p, const kiln_op *op, int t, int a, int
 /* The second rows' share of chunk c's logits (zero where not refined), into scratch. The tiles some
  * row needs are scattered over the vocabulary: each is prefetched while the one before is computed,
  * and a tile several rows need is read once for all of them. */
-static void refine_compute(void *ctx, int c, int thread) {
+static void refine_compute(void *ctx, int i, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
+    int c = j->plan->refine_chunks[i];
     const kiln_wmat *w = op->w;
     int r0, r1;
     chunk_rows(op, c, &r0, &r1);
@@ -534,9 +553,10 @@ static void refine_compute(void *ctx, int c, int thread) {
     }
 }
 
-static void refine_commit(void *ctx, int c, int thread) {
+static void refine_commit(void *ctx, int i, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
+    int c = j->plan->refine_chunks[i];
     int r0, r1;
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
@@ -549,7 +569,14 @@ static void refine_commit(void *ctx, int c, int thread) {
 
 static void logits_commit(void *ctx, int c, int thread) {
     const job *j = ctx;
-    commit_rows(j, j->op->out, j->op->rows, j->n_out, c, thread);
+    const kiln_op *op = j->op;
+    commit_rows(j, op->out, op->rows, j->n_out, c, thread);
+    if (paired(op, op->w)) {
+        int r0, r1;
+        chunk_rows(op, c, &r0, &r1);
+        memcpy(j->plan->chunk_best + (size_t)c * j->n_out, scratch(j->plan, thread) + (size_t)j->n_out * (r1 - r0),
+               sizeof(float) * j->n_out);
+    }
 }
 
 static int chunks_of(const kiln_op *op) { return (n_tiles(op->w) + op->chunk_tiles - 1) / op->chunk_tiles; }
@@ -589,8 +616,8 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     case OP_LOGITS: {
         int64_t wait = kiln_pool_run(p->pool, logits_compute, logits_commit, j, chunks_of(op));
         if (!paired(op, op->w)) return wait;
-        set_logit_floors(p, op, n_out);
-        return wait + kiln_pool_run(p->pool, refine_compute, refine_commit, j, chunks_of(op));
+        int n_refine = set_logit_floors(p, op, n_out, chunks_of(op));
+        return wait + kiln_pool_run(p->pool, refine_compute, refine_commit, j, n_refine);
     }
     case OP_NORM_ADD:
         for (int t = 0; t < n_rows; t++) {

@@ -104,6 +104,8 @@ struct kiln_plan {
     float *attn_partial;   /* attention: every chunk's (o, m, l) for the merge */
     size_t attn_partial_bytes;
     float *logit_floor; /* output head: per logits row, the floor above which logits are refined */
+    float *chunk_best;  /* output head: per chunk and logits row, the chunk's largest logit */
+    int32_t *refine_chunks; /* output head: the chunks the refinement pass visits */
     int n_blocks;
     float *logits;        /* [max_rows][vocab] */
     int vocab;

@@ -261,6 +261,8 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.attn_floats0);
     if (p->plan.attn_partial) munmap(p->plan.attn_partial, p->plan.attn_partial_bytes);
     PyMem_Free(p->plan.logit_floor);
+    PyMem_Free(p->plan.chunk_best);
+    PyMem_Free(p->plan.refine_chunks);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_ns);
     PyMem_Free(p->plan.op_wait_ns);
@@ -312,6 +314,16 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     else madvise(k->attn_partial, k->attn_partial_bytes, MADV_NOHUGEPAGE);
 #endif
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
+    size_t head_chunks = 1;
+    for (int i = 0; i < k->n_ops; i++) {
+        const kiln_op *op = (const kiln_op *)ops.buf + i;
+        if (op->kind == OP_LOGITS) {
+            size_t tiles = (size_t)op->w->rows_padded / 4, c = (tiles + op->chunk_tiles - 1) / op->chunk_tiles;
+            head_chunks = c > head_chunks ? c : head_chunks;
+        }
+    }
+    k->chunk_best = PyMem_Calloc(head_chunks * (size_t)rows + 1, sizeof(float));
+    k->refine_chunks = PyMem_Calloc(head_chunks + 1, sizeof(int32_t));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
     k->scratch_floats = (size_t)scratch_floats;
@@ -320,7 +332,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
+    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->chunk_best || !k->refine_chunks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
         !k->op_t1_ns) {
         PyBuffer_Release(&ops);
         Py_DECREF(p);

@@ -322,8 +322,8 @@ class Lowering:
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
-        # logits of a chunk, then (refining precise activations) the list of its tiles to refine
-        self._scratch(self.out_rows * self._chunk_tiles(w) * 4 + self._chunk_tiles(w))
+        # logits of a chunk and each row's largest, then (refining) the list of its tiles to refine
+        self._scratch(self.out_rows * self._chunk_tiles(w) * 4 + self.out_rows + self._chunk_tiles(w))
         self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, rows=vocab, w=w.address, w_act=0,
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 
