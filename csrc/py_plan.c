@@ -15,7 +15,7 @@
 
 #define HUGE_PAGE (2u << 20)
 
-/* ---- Arena: one zeroed allocation on huge pages (weights, KV cache, activations) ---------------- */
+/* ---- Arena: one zeroed mapping, on huge pages unless asked otherwise (weights, KV cache, activations) -- */
 
 typedef struct {
     PyObject_HEAD
@@ -31,20 +31,24 @@ static void arena_dealloc(Arena *a) {
 
 static PyObject *arena_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     Py_ssize_t nbytes;
-    static char *names[] = {"nbytes", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "n", names, &nbytes)) return NULL;
+    int huge = 1;
+    static char *names[] = {"nbytes", "huge", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "n|p", names, &nbytes, &huge)) return NULL;
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "arena size %zd is negative", nbytes);
     Arena *a = (Arena *)type->tp_alloc(type, 0);
     if (!a) return NULL;
+    size_t page = huge ? HUGE_PAGE : 4096;
     a->nbytes = (size_t)nbytes;
-    a->mapped = ((size_t)nbytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    if (a->mapped == 0) a->mapped = HUGE_PAGE;
+    a->mapped = ((size_t)nbytes + page - 1) / page * page;
+    if (a->mapped == 0) a->mapped = page;
     void *p = mmap(NULL, a->mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
         Py_DECREF(a);
         return PyErr_Format(PyExc_MemoryError, "cannot map %zd bytes for a kiln arena", nbytes);
     }
-    madvise(p, a->mapped, MADV_HUGEPAGE); /* best effort: +20-55% bandwidth where the kernel grants them */
+    /* Huge pages: +20-55% bandwidth where the kernel grants them, for what is streamed. Small pages for
+       what a step touches only in part (activations, logits rows), so the rest never becomes resident. */
+    madvise(p, a->mapped, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
     a->data = p;
     return (PyObject *)a;
 }

@@ -198,7 +198,7 @@ class NativePlan:
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
         size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not keep_all)
-        self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size)
+        self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size, huge=False)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
         self.inputs = {k: whole[b.offset : b.offset + b.nbytes].view(np.int32) for k, b in inputs.items()}
