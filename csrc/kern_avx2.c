@@ -382,6 +382,19 @@ uint64_t kiln_mem_read_avx2(const void *p, size_t size) {
     return r;
 }
 
+/* ---- top-k's first pass: the largest of each block of 16 floats; a NaN never wins (vmaxps returns its
+   second operand when either is NaN, and the running maximum never is one) ---- */
+void kiln_block_maxima_avx2(const float *x, int blocks, float *best) {
+    const __m256 lowest = _mm256_set1_ps(-__builtin_inff());
+    for (int b = 0; b < blocks; b++) {
+        __m256 m = _mm256_max_ps(_mm256_loadu_ps(x + 16 * b), lowest);
+        m = _mm256_max_ps(_mm256_loadu_ps(x + 16 * b + 8), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        best[b] = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
 /* ---- activations ---- */
 
 /* 8x8 transpose of 32-bit units: row j (block j, natural order) -> column j of chunk k. */

@@ -194,5 +194,6 @@ void kiln_quantize_act_generic(kiln_wfmt fmt, const float *x, int ldx, int cols,
 void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 void kiln_quantize_act_avx2(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
 uint64_t kiln_mem_read_avx2(const void *p, size_t size);
+void kiln_block_maxima_avx2(const float *x, int blocks, float *best); /* top-k's pass over blocks of 16 */
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 #endif

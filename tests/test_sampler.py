@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln import _native
 from kiln.engine.sampler import Sampler, SamplingParams, apply_penalties, filtered_probs
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.errors import ContextLengthError, RequestError
+from kiln.native import kernels
 
 
 def test_greedy_picks_argmax():
@@ -139,3 +141,32 @@ def test_penalties_in_place_leave_the_logits_unchanged():
     assert draws == [from_copy(apply_penalties(logits, history, p)) for _ in range(200)]
     assert np.array_equal(logits, before)
     assert len(set(draws)) > 20  # a real distribution, not one token
+
+
+@pytest.mark.parametrize("isa", [i for i in ("generic", "avx2") if kernels.isa_missing(i) is None])
+def test_top_indices_match_a_stable_sort(isa):
+    """The native top-k against numpy's stable argsort (largest first, ties to the lower index), on
+    orders that defeat a rising floor (ascending), the k largest in k different blocks, ties, NaN and
+    -inf, and lengths off the block size."""
+    rng = np.random.default_rng(11)
+    before = kernels.active_isa()
+    kernels.force_isa(isa)
+    try:
+        for n in (1000, 1601, 49157):
+            base = rng.standard_normal(n).astype(np.float32)
+            cases = {"random": base, "ascending": np.sort(base), "descending": np.sort(base)[::-1].copy(),
+                     "ties": np.round(base * 2).astype(np.float32)}
+            holes = base.copy()
+            holes[rng.integers(0, n, n // 10)] = np.nan
+            holes[rng.integers(0, n, n // 10)] = -np.inf
+            cases["nan and -inf"] = holes
+            spread = base.copy()  # the k largest in k different blocks: the floor must be exactly right
+            spread[np.arange(n // 16) * 16 + np.arange(n // 16) % 16] = 10 + rng.permutation(n // 16)
+            cases["one per block"] = spread
+            for name, x in cases.items():
+                for k in (1, 40, n // 16):
+                    want = np.argsort(-np.nan_to_num(x, nan=-np.inf), kind="stable")[:k]
+                    got = np.frombuffer(_native.topk(x, k), dtype=np.int32)
+                    assert np.array_equal(got, want), (isa, n, name, k)
+    finally:
+        kernels.force_isa(before)
