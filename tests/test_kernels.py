@@ -123,8 +123,11 @@ def test_matmul_matches_dequantized_reference(t, isa):
         assert y.shape == (n, rows) and np.isfinite(y).all(), where
         xq = x.astype(np.float64) if t in FLOAT_TYPES else quantized_act(x)
         ref = xq @ w.T  # same inputs as the kernel sees: only the summation order differs
-        scale = np.abs(ref).max()
-        assert np.abs(y - ref).max() <= 1e-5 * scale, where + f": max error {np.abs(y - ref).max() / scale:.2e} of max |y|"
+        # The size of the terms, not of their sum: with few rows one output can cancel to near zero by
+        # chance (seed 2807691941: a single row summed to -0.0068 from products whose root-sum-square
+        # is 6.4), and float rounding is relative to what is summed. For random signs the two agree.
+        scale = max(np.abs(ref).max(), np.sqrt((xq**2) @ (w**2).T).max())
+        assert np.abs(y - ref).max() <= 1e-5 * scale, where + f": max error {np.abs(y - ref).max() / scale:.2e} of the terms' size"
         if t not in FLOAT_TYPES:  # against the fp32 activations: activation rounding error only
             full = x.astype(np.float64) @ w.T
             # Rounding to a step of d = max|x|/127 per block errs by at most d/2, like uniform noise:
