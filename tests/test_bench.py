@@ -546,8 +546,9 @@ def test_compare_input_errors(tmp_path):
 @pytest.mark.slow
 def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
     """Done-when of the measurement program: `--url` against `kiln serve` and kiln in-process give TTFT
-    and tok/s that agree within their spreads. The two targets take turns (one round each, two rounds)
-    so that both see the same machine load; the verdict is compare's."""
+    and tok/s that agree within their spreads. The two targets take turns (one round each, three rounds:
+    with two, a quiet minute for one side alone failed one full-suite run in four on this shared
+    machine) so that both see the same machine load; the verdict is compare's."""
     from tests.conftest import TEST_HOME
     from tests.serving import kiln_server
 
@@ -561,7 +562,7 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
             for s in chosen:  # the server's usage counts the prompt as the engine does
                 messages = scenarios.with_run_id(s.messages, "0" * scenarios.RUN_ID_LENGTH)
                 assert targets["url"].count(messages) == targets["in-process"].count(messages)
-            for rnd in range(2):
+            for rnd in range(3):
                 for kind, target in targets.items():
                     report = scenarios.run(target, chosen, runs=2, warmup=1 if rnd == 0 else 0, memory=True,
                                            ignore_eos=False, command="test")
