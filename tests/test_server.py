@@ -379,9 +379,10 @@ def test_health_metrics_and_openapi(server):
 def test_another_model_swaps_in_once_running_requests_finish(oll, server, gemma3_path):
     import threading
 
-    parts = []
+    parts = []  # a long answer, so the swap request arrives while it is still running
+    story = [{"role": "user", "content": "Write a very long story."}]
     stream = threading.Thread(target=lambda: parts.extend(oll.chat(
-        model=MODEL, messages=QUESTION, stream=True, options={"temperature": 0, "num_predict": 40})))
+        model=MODEL, messages=story, stream=True, options={"temperature": 0, "num_predict": 200})))
     stream.start()
     assert wait_for(lambda: server.metric("kiln_requests_running") == 1)
     other = ollama.Client(host=server.url, timeout=120).generate(
