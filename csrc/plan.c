@@ -198,11 +198,11 @@ static int paired(const kiln_op *op, const kiln_wmat *w) { return op->precise &&
 /* Rows of a matmul's activation: two per token when they are precise. */
 static int act_rows(const kiln_op *op, const kiln_wmat *w, int n) { return paired(op, w) ? 2 * n : n; }
 
-/* Fold the results of precise activations: y[t] += y[n_tok + t], each row n wide. */
-static void fold_pairs(const kiln_op *op, const kiln_wmat *w, float *y, int n_tok, int n) {
+/* Fold the results of precise activations: y[t] += y[n_tok + t], n values of rows ld apart. */
+static void fold_pairs(const kiln_op *op, const kiln_wmat *w, float *y, int n_tok, int n, int ld) {
     if (!paired(op, w)) return;
     for (int t = 0; t < n_tok; t++)
-        for (int i = 0; i < n; i++) y[(size_t)t * n + i] += y[(size_t)(n_tok + t) * n + i];
+        for (int i = 0; i < n; i++) y[(size_t)t * ld + i] += y[(size_t)(n_tok + t) * ld + i];
 }
 
 static int n_tiles(const kiln_wmat *w) { return w->rows_padded / 4; }
@@ -254,9 +254,7 @@ static void qkv_compute(void *ctx, int c, int thread) {
         const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
         int r0 = head * hd, r1 = r0 + (e - h) * hd, off = (h - h0) * hd;
         kiln_matmul(w, act, act_rows(op, w, n), y + off - r0, width, r0 / 4, (r1 + 3) / 4);
-        if (paired(op, w)) /* precise activations: add the second rows' share */
-            for (int t = 0; t < n; t++)
-                for (int i = off; i < off + (r1 - r0); i++) y[(size_t)t * width + i] += y[(size_t)(n + t) * width + i];
+        fold_pairs(op, w, y + off, n, r1 - r0, width);
         const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
         const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
         for (int t = 0; t < n; t++)
@@ -333,6 +331,11 @@ static int attention_units(kiln_plan *p, const kiln_op *op) {
     return units;
 }
 
+/* Where part k of KV head g of block b (parts parts, nq queries) keeps its (o, m, l). */
+static float *attn_partial_of(const kiln_plan *p, const kiln_op *op, int b, int g, int k, int parts, int nq) {
+    return p->attn_partial + p->attn_floats0[b] + ((size_t)g * parts + k) * nq * (op->head_dim + 2);
+}
+
 typedef struct {
     int b, g, part, t0, rows, key_lo, key_hi, first, pos0;
     float *partial; /* o (rows*group*hd), then m and l (rows*group each) */
@@ -351,7 +354,7 @@ static int attn_chunk_of(const kiln_plan *p, const kiln_op *op, int c, attn_chun
     block_keys(p, op, b, &a->first, &last);
     a->key_lo = (a->first / ATTN_SPAN + a->part) * ATTN_SPAN, a->key_hi = a->key_lo + ATTN_SPAN;
     nq = a->rows * group;
-    a->partial = p->attn_partial + p->attn_floats0[b] + ((size_t)a->g * parts + a->part) * nq * (op->head_dim + 2);
+    a->partial = attn_partial_of(p, op, b, a->g, a->part, parts, nq);
     return 1;
 }
 
@@ -388,7 +391,7 @@ static void attention_merge(const kiln_plan *p, const kiln_op *op) {
         for (int g = 0; g < op->n_kv_heads; g++)
             for (int r = 0; r < nq; r++) {
                 for (int k = 0; k < parts; k++) {
-                    const float *part = p->attn_partial + p->attn_floats0[b] + ((size_t)g * parts + k) * nq * (hd + 2);
+                    const float *part = attn_partial_of(p, op, b, g, k, parts, nq);
                     o[k] = part + (size_t)r * hd, m[k] = part + (size_t)nq * hd + r, l[k] = part + (size_t)nq * (hd + 1) + r;
                 }
                 int i = r / group, h = g * group + r % group;
@@ -435,7 +438,7 @@ static void matmul_compute(void *ctx, int c, int thread) {
     int n = r1 - r0;
     float *y = scratch(j->plan, thread);
     matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_rows), y, r0, r1);
-    fold_pairs(op, op->w, y, j->n_rows, n);
+    fold_pairs(op, op->w, y, j->n_rows, n, n);
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;

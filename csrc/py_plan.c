@@ -302,15 +302,20 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->blocks = PyMem_Calloc(2 * (size_t)rows + 2, sizeof(int32_t));
     k->attn_unit0 = PyMem_Calloc((size_t)rows + 2, sizeof(int32_t));
     k->attn_floats0 = PyMem_Calloc((size_t)rows + 2, sizeof(size_t));
-    /* every row's queries, each (o, m, l) per part: at most n_ctx / ATTN_SPAN + 1 parts */
-    size_t per_row = 0;
+    /* per_row: every query of a row, (o, m, l) per attention part; head_chunks: the output head's chunks */
+    size_t per_row = 0, head_chunks = 1;
     for (int i = 0; i < k->n_ops; i++) {
         const kiln_op *op = (const kiln_op *)ops.buf + i;
         if (op->kind == OP_ATTN && (size_t)op->n_heads * (op->head_dim + 2) > per_row)
             per_row = (size_t)op->n_heads * (op->head_dim + 2);
+        if (op->kind == OP_LOGITS) {
+            size_t tiles = (size_t)op->w->rows_padded / 4, c = (tiles + op->chunk_tiles - 1) / op->chunk_tiles;
+            head_chunks = c > head_chunks ? c : head_chunks;
+        }
     }
-    /* sized for the longest context, used as far as the step's positions reach: mapped, not allocated,
-     * so pages a step never touches are never resident (a heap calloc may zero all of it) */
+    /* at most n_ctx / ATTN_SPAN + 1 parts: sized for the longest context, used as far as the step's
+     * positions reach; mapped, not allocated, so pages a step never touches are never resident (a heap
+     * calloc may zero all of it) */
     k->attn_partial_bytes = sizeof(float) * ((size_t)rows * per_row * ((size_t)n_ctx / ATTN_SPAN + 1) + 1);
     k->attn_partial = mmap(NULL, k->attn_partial_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (k->attn_partial == MAP_FAILED) k->attn_partial = NULL;
@@ -318,14 +323,6 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     else madvise(k->attn_partial, k->attn_partial_bytes, MADV_NOHUGEPAGE);
 #endif
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
-    size_t head_chunks = 1;
-    for (int i = 0; i < k->n_ops; i++) {
-        const kiln_op *op = (const kiln_op *)ops.buf + i;
-        if (op->kind == OP_LOGITS) {
-            size_t tiles = (size_t)op->w->rows_padded / 4, c = (tiles + op->chunk_tiles - 1) / op->chunk_tiles;
-            head_chunks = c > head_chunks ? c : head_chunks;
-        }
-    }
     k->chunk_best = PyMem_Calloc(head_chunks * (size_t)rows + 1, sizeof(float));
     k->refine_chunks = PyMem_Calloc(head_chunks + 1, sizeof(int32_t));
     k->pool = ((Pool *)pool)->pool;

@@ -84,7 +84,7 @@ static float kth_largest(float *v, int n, int k) {
 }
 
 /* Indices of the k largest of x[0..n), largest first (ties: lower index first); NaN never wins.
- * work: n / 16 + 1 floats. */
+ * work: 2 * (n / 16) + 1 floats (the block maxima and a copy to select from). */
 static void topk(const float *x, int n, int k, int32_t *out, entry *h, float *work) {
     int blocks = n / BLOCK, size = 0;
     float floor = -INFINITY;

@@ -187,8 +187,9 @@ class StepStats:
 
 
 class NativePlan:
-    """One compiled plan with its own arena of activations and per-row inputs. Buffers are reused once
-    dead, unless `keep_all` (for reading every layer's output afterwards)."""
+    """One compiled plan with an arena of activations and per-row inputs: its own, or `arena` when that is
+    large enough (plans that never run at once share one). Buffers are reused once dead, unless `keep_all`
+    (for reading every layer's output afterwards)."""
 
     def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False,
                  arena=None):
