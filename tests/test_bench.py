@@ -546,9 +546,10 @@ def test_compare_input_errors(tmp_path):
 @pytest.mark.slow
 def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
     """Done-when of the measurement program: `--url` against `kiln serve` and kiln in-process give TTFT
-    and tok/s that agree within their spreads. The two targets take turns (one round each, three rounds:
-    with two, a quiet minute for one side alone failed one full-suite run in four on this shared
-    machine) so that both see the same machine load; the verdict is compare's."""
+    and tok/s that agree within their spreads. The two targets take turns run by run, the first of each pair
+    alternating, so that both see the same machine load (in turns of a round of runs each, a minute of load
+    on this shared machine landed on one side alone: it failed one full-suite run in four); the verdict is
+    compare's."""
     from tests.conftest import TEST_HOME
     from tests.serving import kiln_server
 
@@ -562,9 +563,9 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
             for s in chosen:  # the server's usage counts the prompt as the engine does
                 messages = scenarios.with_run_id(s.messages, "0" * scenarios.RUN_ID_LENGTH)
                 assert targets["url"].count(messages) == targets["in-process"].count(messages)
-            for rnd in range(3):
-                for kind, target in targets.items():
-                    report = scenarios.run(target, chosen, runs=2, warmup=1 if rnd == 0 else 0, memory=True,
+            for turn in range(6):
+                for kind in ("url", "in-process") if turn % 2 else ("in-process", "url"):
+                    report = scenarios.run(targets[kind], chosen, runs=1, warmup=0 if turn else 1, memory=True,
                                            ignore_eos=False, command="test")
                     validate(report, "scenarios.schema.json")
                     for s in report["results"][0]["scenarios"]:
@@ -575,6 +576,7 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
                 target.close()
     for name in ("chat-short", "code-short"):
         url, local = pooled["url"][name], pooled["in-process"][name]
+        assert len(url) == len(local) == 6
         # Both reuse the chat template's fixed opening, and at most a few tokens more where two
         # random run ids happen to start alike, never the scenario's text.
         reused = {kind: [r["reported"]["cache_n"] for r in runs] for kind, runs in (("url", url), ("local", local))}
@@ -583,7 +585,8 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
         assert max(reused["url"] + reused["local"]) <= head + scenarios.RUN_ID_LENGTH + 2
         for key in ("ttft_ms", "tps"):
             v = compare.verdict(summary([r[key] for r in local]), summary([r[key] for r in url]))
-            assert not v["exceeds_both_spreads"], f"{name} {key}: in-process vs kiln serve: {v}"
+            values = {kind: [round(r[key], 1) for r in runs] for kind, runs in (("url", url), ("in-process", local))}
+            assert not v["exceeds_both_spreads"], f"{name} {key}: in-process vs kiln serve: {v}, runs in order: {values}"
 
 
 # --- kiln bench (llama-bench style) ----------------------------------------------------------------------
