@@ -18,8 +18,8 @@
 
 typedef struct {
     /* s[r * TILE + j] = dot(q[r], key j) for r < nq, j < nk (nk a multiple of KEY_GROUP); kg points at
-     * the first key's group */
-    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s);
+     * the first key's group, v at the first key's values (a kernel may prefetch them) */
+    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s);
     /* o[r] += sum_j p[r * TILE + j] * v[j] for r < nq */
     void (*accumulate)(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o);
     void (*exp_row)(float *x, int n, float shift); /* x[i] = exp(x[i] - shift) */
@@ -27,7 +27,8 @@ typedef struct {
 
 /* ---- portable reference ---- */
 
-static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s) {
+static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s) {
+    (void)v;
     for (int r = 0; r < nq; r++)
         for (int j = 0; j < nk; j++) {
             float acc = 0.0f;
@@ -58,13 +59,16 @@ static inline __attribute__((target("avx2,fma,f16c"))) __m256 load8h(const uint1
 }
 
 /* nq (1..4, a constant once inlined) queries × 16 keys: per dimension, 2 key loads feed 2·nq FMAs, so
- * the keys of a GQA group's 3 query heads are converted once, not once per head. */
+ * the keys of a GQA group's 3 query heads are converted once, not once per head. One cache line is
+ * prefetched per dimension, alternately from pa and pb (hd/2 lines of each: 16 keys' worth). */
 static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void scores_16(const float *q, int nq, int hd,
                                                                                   const uint16_t *k0, const uint16_t *k1,
+                                                                                  const char *pa, const char *pb,
                                                                                   float *s) {
     __m256 a[4], b[4];
     for (int r = 0; r < nq; r++) a[r] = b[r] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d++) {
+        _mm_prefetch((d & 1 ? pb : pa) + (d >> 1) * 64, _MM_HINT_T0);
         __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
         for (int r = 0; r < nq; r++) {
             __m256 c = _mm256_broadcast_ss(q + r * hd + d);
@@ -74,17 +78,21 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void score
     for (int r = 0; r < nq; r++) _mm256_storeu_ps(s + r * TILE, a[r]), _mm256_storeu_ps(s + r * TILE + 8, b[r]);
 }
 
-AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, float *s) {
+AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s) {
     const size_t group = (size_t)hd * KEY_GROUP;
     int j = 0;
     for (; j + 16 <= nk; j += 16) {
         const uint16_t *k0 = kg + (j / KEY_GROUP) * group, *k1 = k0 + group;
+        /* The matrix ops between two attention ops stream far more than the caches hold, so the KV cache
+         * comes from memory: while these 16 keys are scored, fetch their values (accumulated next) and
+         * the same 16 keys of the next tile. Prefetching past the context's end is harmless. */
+        const char *pv = (const char *)(v + (size_t)j * hd), *pk = (const char *)(k0 + TILE / KEY_GROUP * group);
         int r = 0;
-        for (; r + 4 <= nq; r += 4) scores_16(q + r * hd, 4, hd, k0, k1, s + r * TILE + j);
+        for (; r + 4 <= nq; r += 4) scores_16(q + r * hd, 4, hd, k0, k1, pv, pk, s + r * TILE + j);
         switch (nq - r) {
-        case 3: scores_16(q + r * hd, 3, hd, k0, k1, s + r * TILE + j); break;
-        case 2: scores_16(q + r * hd, 2, hd, k0, k1, s + r * TILE + j); break;
-        case 1: scores_16(q + r * hd, 1, hd, k0, k1, s + r * TILE + j); break;
+        case 3: scores_16(q + r * hd, 3, hd, k0, k1, pv, pk, s + r * TILE + j); break;
+        case 2: scores_16(q + r * hd, 2, hd, k0, k1, pv, pk, s + r * TILE + j); break;
+        case 1: scores_16(q + r * hd, 1, hd, k0, k1, pv, pk, s + r * TILE + j); break;
         }
     }
     for (; j < nk; j += KEY_GROUP) {
@@ -187,7 +195,7 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
     for (int j0 = first - first % KEY_GROUP; j0 <= last; j0 += TILE) {
         int nk = last - j0 + 1 < TILE ? last - j0 + 1 : TILE;
         int nk_groups = (nk + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
-        k->scores(qs, nq, hd, K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, nk_groups, s);
+        k->scores(qs, nq, hd, K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, nk_groups, V + (size_t)j0 * hd, s);
         for (int i = 0; i < rows; i++) {
             int pos = pos0 + i, lo = window > 0 && pos - window + 1 > first ? pos - window + 1 : first;
             int hi = pos < last ? pos : last;
