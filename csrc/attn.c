@@ -59,8 +59,9 @@ static inline __attribute__((target("avx2,fma,f16c"))) __m256 load8h(const uint1
 }
 
 /* nq (1..4, a constant once inlined) queries × 16 keys: per dimension, 2 key loads feed 2·nq FMAs, so
- * the keys of a GQA group's 3 query heads are converted once, not once per head. One cache line is
- * prefetched per dimension, alternately from pa and pb (hd/2 lines of each: 16 keys' worth). */
+ * the keys of a GQA group's 3 query heads are converted once, not once per head. Unless pa is NULL, one
+ * cache line is prefetched per dimension, alternately from pa and pb (hd/2 lines of each: 16 keys'
+ * worth). */
 static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void scores_16(const float *q, int nq, int hd,
                                                                                   const uint16_t *k0, const uint16_t *k1,
                                                                                   const char *pa, const char *pb,
@@ -68,7 +69,7 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void score
     __m256 a[4], b[4];
     for (int r = 0; r < nq; r++) a[r] = b[r] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d++) {
-        _mm_prefetch((d & 1 ? pb : pa) + (d >> 1) * 64, _MM_HINT_T0);
+        if (pa) _mm_prefetch((d & 1 ? pb : pa) + (d >> 1) * 64, _MM_HINT_T0);
         __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
         for (int r = 0; r < nq; r++) {
             __m256 c = _mm256_broadcast_ss(q + r * hd + d);
@@ -85,10 +86,11 @@ AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg,
         const uint16_t *k0 = kg + (j / KEY_GROUP) * group, *k1 = k0 + group;
         /* The matrix ops between two attention ops stream far more than the caches hold, so the KV cache
          * comes from memory: while these 16 keys are scored, fetch their values (accumulated next) and
-         * the same 16 keys of the next tile. Prefetching past the context's end is harmless. */
+         * the same 16 keys of the next tile (once: prefill's further query blocks find them fetched).
+         * Prefetching past the context's end is harmless. */
         const char *pv = (const char *)(v + (size_t)j * hd), *pk = (const char *)(k0 + TILE / KEY_GROUP * group);
         int r = 0;
-        for (; r + 4 <= nq; r += 4) scores_16(q + r * hd, 4, hd, k0, k1, pv, pk, s + r * TILE + j);
+        for (; r + 4 <= nq; r += 4, pv = pk = NULL) scores_16(q + r * hd, 4, hd, k0, k1, pv, pk, s + r * TILE + j);
         switch (nq - r) {
         case 3: scores_16(q + r * hd, 3, hd, k0, k1, pv, pk, s + r * TILE + j); break;
         case 2: scores_16(q + r * hd, 2, hd, k0, k1, pv, pk, s + r * TILE + j); break;
