@@ -178,15 +178,16 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
     __m256 acc[4][TB];
-    for (int r = 0; r < 4; r++)
-        for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
+    if (G == 0) /* else the first group sets them: zeroing the array in memory (rep stos) cost 20% at 8 tokens */
+        for (int r = 0; r < 4; r++)
+            for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
-            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, acc[r][t]);
+            for (int t = 0; t < n; t++) acc[r][t] = dot(f, &w, ag + t * stride, g ? acc[r][t] : _mm256_setzero_ps());
         }
     }
     if (nt && kiln_shared_tail(nt)) { /* one full-width dot for the 4 rows' 2 blocks each */
