@@ -212,6 +212,9 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
+/* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 /* One tile against n (<= TB) tokens: activations act + t*stride, results y + t*ldy. n == 1 keeps the
    4 accumulators in registers. */
 ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
@@ -256,6 +259,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     }
     for (int t = 0; t < n; t++) store_rows(y + t * ldy, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), nrows);
 }
+#pragma GCC diagnostic pop
 
 /* Float formats: 16-column chunks as two 8-lane halves (lo, hi), as one 16-lane AVX-512 register. */
 ALWAYS __m256 fload(kiln_wfmt f, const uint8_t *p) {

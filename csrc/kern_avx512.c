@@ -174,6 +174,9 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
+/* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
@@ -216,6 +219,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     }
     for (int t = 0; t < n; t++) store_rows(y + t * ldy, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]), nrows);
 }
+#pragma GCC diagnostic pop
 
 /* Float formats: one 16-lane accumulator per row and token (= the AVX2 lo/hi pair). */
 ALWAYS __m512 fload(kiln_wfmt f, const uint8_t *p) {
