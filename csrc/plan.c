@@ -232,9 +232,16 @@ static void qkv_head(const kiln_op *op, int h, int *which, int *head) {
 }
 
 /* Heads [h0, h1) of chunk c, of the list above. */
-static void qkv_chunk(const kiln_op *op, int c, int *h0, int *h1) {
-    *h0 = c * op->chunk_heads;
-    *h1 = *h0 + op->chunk_heads < qkv_heads(op) ? *h0 + op->chunk_heads : qkv_heads(op);
+static void qkv_chunk(const job *j, int c, int *h0, int *h1) {
+    *h0 = c * j->chunk_heads;
+    *h1 = *h0 + j->chunk_heads < qkv_heads(j->op) ? *h0 + j->chunk_heads : qkv_heads(j->op);
+}
+
+/* Several heads a chunk stream longer runs of a matrix, which pays while a step reads memory (one or two
+ * rows); with more rows it computes, and a chunk a head leaves the threads less to wait for at the end. */
+static int qkv_chunks(job *j, int n_rows) {
+    j->chunk_heads = n_rows > 2 ? 1 : j->op->chunk_heads;
+    return (qkv_heads(j->op) + j->chunk_heads - 1) / j->chunk_heads;
 }
 
 /* A chunk's result in scratch: row t's heads side by side, y[t * width + (h - h0) * hd + i]. */
@@ -243,7 +250,7 @@ static void qkv_compute(void *ctx, int c, int thread) {
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
     int hd = op->head_dim, h0, h1, n = j->n_rows;
-    qkv_chunk(op, c, &h0, &h1);
+    qkv_chunk(j, c, &h0, &h1);
     int width = (h1 - h0) * hd;
     float *y = scratch(p, thread), *tmp = y + (size_t)2 * n * width;
     for (int h = h0; h < h1;) {
@@ -278,7 +285,7 @@ static void qkv_commit(void *ctx, int c, int thread) {
     const kiln_op *op = j->op;
     const kiln_plan *p = j->plan;
     int hd = op->head_dim, h0, h1;
-    qkv_chunk(op, c, &h0, &h1);
+    qkv_chunk(j, c, &h0, &h1);
     int width = (h1 - h0) * hd;
     const float *y = scratch(p, thread);
     for (int h = h0; h < h1; h++) {
@@ -608,7 +615,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
         }
         return 0;
     case OP_NORM_QUANT: case OP_QUANT: return quantize_op(p, op, j);
-    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, (qkv_heads(op) + op->chunk_heads - 1) / op->chunk_heads);
+    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j, n_rows));
     case OP_ATTN: {
         int64_t wait = kiln_pool_run(p->pool, attn_compute, attn_commit, j, attention_units(p, op));
         attention_merge(p, op);
