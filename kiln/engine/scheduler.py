@@ -110,6 +110,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._turns = 0
+        self._outbox: list[tuple[Request, Token | Finished]] | None = None  # events held during postprocess
         self._cv = threading.Condition()  # guards waiting, running and free; wakes the idle loop
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
@@ -221,6 +222,25 @@ class Scheduler:
             return None
 
     def postprocess(self, batch: Batch, logits: np.ndarray) -> None:
+        """Sample every row, then hand out the step's events. A sink wakes the server's event loop, which
+        then competes for the GIL with the sampling of the rows after it: with 8 streams served, a step's
+        postprocess took 3.0-3.8 ms (median of 5 s windows) handing out events as they came, 2.3-2.8 ms
+        holding them to the end."""
+        self._outbox = []
+        try:
+            self._sample(batch, logits)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for req, event in outbox:
+                req.sink(event)
+
+    def _send(self, req: Request, event: Token | Finished) -> None:
+        if self._outbox is not None:
+            self._outbox.append((req, event))
+        else:
+            req.sink(event)
+
+    def _sample(self, batch: Batch, logits: np.ndarray) -> None:
         for req, n in batch.fed:
             req.fed += n
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
@@ -246,7 +266,7 @@ class Scheduler:
                 text = seq.append(token)
                 appended += 1
                 record = seq.token_logprobs[len(seq.output_ids) - 1] if seq.logprobs is not None else None
-                req.sink(Token(text, record))
+                self._send(req, Token(text, record))
                 if seq.finished:
                     break
             if draft is not None:  # the slot holds the KV of the accepted draft tokens, not the rejected ones
@@ -281,4 +301,4 @@ class Scheduler:
         self.slot_tokens[seq.slot] = [] if error else seq.all_ids[: req.fed]
         self.slot_used[seq.slot] = time.perf_counter()
         self.free.add(seq.slot)
-        req.sink(Finished(error))
+        self._send(req, Finished(error))
