@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #define MAX_THREADS 64
-#define MAX_CHUNKS 16384
 #define SPIN_NS 200000 /* a worker spins this long for the next job before sleeping */
 
 /* Chunk states carry the job number, so a late worker can never touch a later job's bookkeeping.
@@ -36,7 +35,7 @@ struct kiln_pool {
     _Atomic uint32_t job;   /* job number; workers wait for it to change */
     _Atomic uint64_t claim; /* job << 32 | next unclaimed chunk */
     _Atomic int done;       /* chunks of the current job committed */
-    _Atomic uint64_t state[MAX_CHUNKS];
+    _Atomic uint64_t state[KILN_POOL_MAX_CHUNKS];
     _Atomic int sleepers;
     _Atomic int stop;
     _Atomic uint64_t steals;
@@ -168,7 +167,7 @@ uint64_t kiln_pool_steals(const kiln_pool *p) { return atomic_load(&p->steals); 
 
 int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn compute, kiln_chunk_fn commit, void *ctx, int n_chunks) {
     if (n_chunks <= 0) return 0;
-    if (p->n_threads == 1 || n_chunks == 1 || n_chunks > MAX_CHUNKS) {
+    if (p->n_threads == 1 || n_chunks == 1 || n_chunks > KILN_POOL_MAX_CHUNKS) {
         for (int c = 0; c < n_chunks; c++) compute(ctx, c, 0), commit(ctx, c, 0);
         return 0;
     }

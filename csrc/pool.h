@@ -11,6 +11,8 @@
 #pragma once
 #include <stdint.h>
 
+#define KILN_POOL_MAX_CHUNKS 16384 /* a job with more chunks runs on the calling thread alone */
+
 typedef void (*kiln_chunk_fn)(void *ctx, int chunk, int thread);
 
 typedef struct kiln_pool kiln_pool;

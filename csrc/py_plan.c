@@ -12,6 +12,7 @@
 #include "bindings.h"
 #include "dequant.h"
 #include "plan.h"
+#include "pool.h"
 
 #define HUGE_PAGE (2u << 20)
 
@@ -509,7 +510,8 @@ int kiln_plan_add_types(PyObject *module) {
         {"OP_EMBED", OP_EMBED}, {"OP_NORM_QUANT", OP_NORM_QUANT}, {"OP_QUANT", OP_QUANT}, {"OP_QKV", OP_QKV},
         {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
         {"OP_LOGITS", OP_LOGITS}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
-        {"ATTN_BLOCK", ATTN_BLOCK}, {"ACT_KIND_Q8", KILN_ACT_Q8},
+        {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
+        {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

@@ -32,7 +32,6 @@ from kiln.errors import KilnError
 CLASSES = ("matmul", "attention", "norm/rope/act/quant", "lm head", "embedding")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 CHROME_DECODE_STEPS = 4
-MAX_CHUNKS = 16384  # csrc/pool.c: a job with more chunks runs on the calling thread
 SUM_TOLERANCE = 0.05
 OVERHEAD_LIMIT = 0.03
 now = time.monotonic_ns
@@ -61,10 +60,12 @@ def packed_bytes(layout: dict) -> int:
     return layout["tile_bytes"] * layout["rows_padded"] // 4
 
 
-def describe(engine, nplan) -> list[OpInfo]:
-    """OpInfo for each op of a NativePlan. An op's layer is that of the weights it multiplies (QKV and
-    attention carry it); a quantize op belongs to the op that consumes its output, a norm-add to the op
-    whose output it finishes."""
+def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
+    """OpInfo for each op of a NativePlan, for a decode row at `position`. An op's layer is that of the
+    weights it multiplies (QKV and attention carry it); a quantize op belongs to the op that consumes its
+    output, a norm-add to the op whose output it finishes."""
+    from kiln import _native
+
     names = kind_names()
     mats = {m.address: (name, packed_bytes(m.layout), m.layout) for name, m in engine.weights.mats.items()}
     threads = engine.pool.threads
@@ -86,10 +87,11 @@ def describe(engine, nplan) -> list[OpInfo]:
         elif kind == "QKV":
             chunks = -(-(op["n_heads"] + 2 * op["n_kv_heads"]) // op["chunk_heads"])
         elif kind == "ATTN":
-            chunks = op["n_kv_heads"]  # decode: one block of rows per sequence, one part below 512 keys
+            first = max(0, position - op["window"] + 1) if op["window"] > 0 else 0
+            chunks = op["n_kv_heads"] * (position // _native.ATTN_SPAN - first // _native.ATTN_SPAN + 1)  # heads x parts
         else:
             chunks = 1
-        if threads == 1 or chunks > MAX_CHUNKS:
+        if threads == 1 or chunks > _native.POOL_MAX_CHUNKS:
             chunks = 1
         infos.append(OpInfo(i, kind, op["op_class"], layer, weight_bytes, chunks))
     for i in reversed(range(len(infos) - 1)):
@@ -123,10 +125,10 @@ def kv_write_bytes(nplan) -> int:
     return sum(2 * op["n_kv_heads"] * op["head_dim"] * 2 for op in _attention_ops(nplan))
 
 
-def dispatch_figures(engine) -> dict:
-    """Per decode token of one sequence: ops, parallel regions and bytes, from the decode plan."""
+def dispatch_figures(engine, position: int = 0) -> dict:
+    """Per decode token of one sequence at `position`: ops, parallel regions and bytes, from the decode plan."""
     nplan = engine.decode_plan
-    infos = describe(engine, nplan)
+    infos = describe(engine, nplan, position)
     embed = sum(op["table_row_bytes"] for op in nplan.ops if "table_row_bytes" in op)
     return {"ops_per_call": nplan.plan.n_ops, "parallel_regions_per_call": sum(i.chunks > 1 for i in infos),
             "weight_bytes": sum(i.weight_bytes for i in infos), "embedding_row_bytes": embed,
@@ -470,9 +472,9 @@ def decode_report(engine, reqs: list[Request], profile: Profile, read_gb_s: floa
     per_token["unaccounted (loop, clock reads)"] = _ms(total - covered) / tokens
     calls = sum(r.calls[i] for r, i in idx) / tokens
     untraced = sum(len(r.token_end) for r in reqs) - tokens
-    d = dispatch_figures(engine)
     nplan = engine.decode_plan
     positions = [r.prompt_tokens + i for r, i in idx]
+    d = dispatch_figures(engine, max(positions))
     kv_read = statistics.fmean(kv_read_bytes(nplan, p) for p in positions)
     bytes_token = d["weight_bytes"] + d["embedding_row_bytes"] + kv_read
     mean_wall_s = total / tokens / 1e9

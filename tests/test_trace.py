@@ -108,6 +108,22 @@ def test_dispatch_figures_match_the_shapes(shape, qtype, tmp_path, home):
     model.close()
 
 
+def test_one_kv_head_splits_attention_past_one_span(tmp_path, home):
+    """With one KV head, attention is one chunk until a row sees keys in two spans of the context; sliding
+    window layers whose window stays inside one span remain one chunk."""
+    from kiln import _native
+
+    _, model = load_tiny(tmp_path, "tiny-gemma3", QT.F16)
+    shape = SHAPES["tiny-gemma3"]
+    assert shape.n_kv_heads == 1
+    base = 4 * shape.n_layers + 1
+    assert trace.dispatch_figures(model.engine)["parallel_regions_per_call"] == base
+    global_layers = sum((i + 1) % 6 == 0 for i in range(shape.n_layers))
+    position = _native.ATTN_SPAN + 10
+    assert trace.dispatch_figures(model.engine, position)["parallel_regions_per_call"] == base + global_layers
+    model.close()
+
+
 def test_one_thread_has_no_parallel_regions(tmp_path, home):
     _, model = load_tiny(tmp_path, threads=1)
     assert trace.dispatch_figures(model.engine)["parallel_regions_per_call"] == 0
