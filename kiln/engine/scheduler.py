@@ -8,8 +8,8 @@ schedule → run → postprocess.
   streams keep decoding, so it never freezes them.
 - run: one `engine.step` for the whole batch.
 - postprocess: sample the rows that return logits (a speculating sequence takes the draft tokens the
-  target accepts, then one of its own), hand released text to each request's sink token by token, retire
-  finished sequences and remember what their slots now hold.
+  target accepts, then one of its own), retire finished sequences and remember what their slots now
+  hold; then hand the step's events (released text token by token, the ends) to the requests' sinks.
 
 Prompt cache: every slot remembers the tokens its KV holds. A new request takes the free slot whose
 tokens share the longest prefix with its prompt (chat clients and agents resend their history) and
