@@ -231,10 +231,11 @@ static void qkv_head(const kiln_op *op, int h, int *which, int *head) {
     *head = *which == 0 ? h : *which == 1 ? h - H : h - H - KV;
 }
 
-/* Heads [h0, h1) of chunk c, of the list above. */
+/* Heads [h0, h1) of chunk c, of the list above (empty for a late worker's chunk past a newer run's). */
 static void qkv_chunk(const job *j, int c, int *h0, int *h1) {
-    *h0 = c * j->chunk_heads;
-    *h1 = *h0 + j->chunk_heads < qkv_heads(j->op) ? *h0 + j->chunk_heads : qkv_heads(j->op);
+    int n = qkv_heads(j->op);
+    *h0 = c * j->chunk_heads < n ? c * j->chunk_heads : n;
+    *h1 = *h0 + j->chunk_heads < n ? *h0 + j->chunk_heads : n;
 }
 
 /* Several heads a chunk stream longer runs of a matrix, which pays while a step reads memory (one or two
