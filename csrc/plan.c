@@ -231,18 +231,17 @@ static void qkv_head(const kiln_op *op, int h, int *which, int *head) {
     *head = *which == 0 ? h : *which == 1 ? h - H : h - H - KV;
 }
 
-/* Heads [h0, h1) of chunk c, of the list above (empty for a late worker's chunk past a newer run's). */
-static void qkv_chunk(const job *j, int c, int *h0, int *h1) {
-    int n = qkv_heads(j->op);
-    *h0 = c * j->chunk_heads < n ? c * j->chunk_heads : n;
-    *h1 = *h0 + j->chunk_heads < n ? *h0 + j->chunk_heads : n;
-}
-
 /* Several heads a chunk stream longer runs of a matrix, which pays while a step reads memory (one or two
  * rows); with more rows it computes, and a chunk a head leaves the threads less to wait for at the end. */
-static int qkv_chunks(job *j, int n_rows) {
-    j->chunk_heads = n_rows > 2 ? 1 : j->op->chunk_heads;
-    return (qkv_heads(j->op) + j->chunk_heads - 1) / j->chunk_heads;
+static int qkv_chunk_heads(const job *j) { return j->n_rows > 2 ? 1 : j->op->chunk_heads; }
+
+static int qkv_chunks(const job *j) { return (qkv_heads(j->op) + qkv_chunk_heads(j) - 1) / qkv_chunk_heads(j); }
+
+/* Heads [h0, h1) of chunk c, of the list above (empty for a late worker's chunk past a newer run's). */
+static void qkv_chunk(const job *j, int c, int *h0, int *h1) {
+    int n = qkv_heads(j->op), per = qkv_chunk_heads(j);
+    *h0 = c * per < n ? c * per : n;
+    *h1 = *h0 + per < n ? *h0 + per : n;
 }
 
 /* A chunk's result in scratch: row t's heads side by side, y[t * width + (h - h0) * hd + i]. */
@@ -616,7 +615,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
         }
         return 0;
     case OP_NORM_QUANT: case OP_QUANT: return quantize_op(p, op, j);
-    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j, n_rows));
+    case OP_QKV: return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j));
     case OP_ATTN: {
         int64_t wait = kiln_pool_run(p->pool, attn_compute, attn_commit, j, attention_units(p, op));
         attention_merge(p, op);

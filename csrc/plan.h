@@ -88,7 +88,6 @@ typedef struct {
     kiln_plan *plan;
     const kiln_op *op;
     int n_rows, n_out;
-    int chunk_heads; /* OP_QKV: heads per chunk in this run */
 } kiln_job;
 
 struct kiln_plan {
