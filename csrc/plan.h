@@ -120,5 +120,8 @@ struct kiln_plan {
     int error; /* errno of a failed read of the embedding table during the last run, else 0 */
 };
 
+/* Chunks of a QKV op over `heads` heads (q, k and v together) at most `per` a chunk. */
+int kiln_qkv_chunks(int heads, int per);
+
 /* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. */
 int64_t kiln_plan_run(kiln_plan *plan, int n_rows, int n_out);

@@ -489,7 +489,19 @@ static PyObject *py_attend_scratch(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(kiln_attend_scratch(n_queries, hd));
 }
 
+static PyObject *py_qkv_chunks(PyObject *self, PyObject *args) {
+    (void)self;
+    int heads, per;
+    if (!PyArg_ParseTuple(args, "ii", &heads, &per)) return NULL;
+    if (heads < 0 || per < 1) {
+        PyErr_SetString(PyExc_ValueError, "qkv_chunks: heads must be >= 0 and per >= 1");
+        return NULL;
+    }
+    return PyLong_FromLong(kiln_qkv_chunks(heads, per));
+}
+
 PyMethodDef plan_module_methods[] = {
+    {"qkv_chunks", py_qkv_chunks, METH_VARARGS, "qkv_chunks(heads, per) -> chunks a QKV op runs in"},
     {"attend_scratch", py_attend_scratch, METH_VARARGS, "attend_scratch(n_queries, head_dim) -> floats"},
     {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
     {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},

@@ -85,7 +85,7 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
         if kind in ("MATMUL", "GLU", "LOGITS"):
             chunks = -(-tiles // op["chunk_tiles"])
         elif kind == "QKV":
-            chunks = -(-(op["n_heads"] + 2 * op["n_kv_heads"]) // op["chunk_heads"])
+            chunks = _native.qkv_chunks(op["n_heads"] + 2 * op["n_kv_heads"], op["chunk_heads"])
         elif kind == "ATTN":
             first = max(0, position - op["window"] + 1) if op["window"] > 0 else 0
             chunks = op["n_kv_heads"] * (position // _native.ATTN_SPAN - first // _native.ATTN_SPAN + 1)  # heads x parts

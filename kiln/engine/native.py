@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,26 @@ class Table:
     offset: int
     ggml_type: int
     row_bytes: int
+
+
+def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
+    """Read a file range once in a background thread, so that it sits in the page cache (which is not
+    this process's memory). An embedding row is read from the file when its token first occurs; from a
+    cold cache that read waits on the disk, 0.2-0.7 ms a row against 3 us cached, and
+    POSIX_FADV_WILLNEED measured no better here."""
+    own = os.dup(fd)  # the model may be closed while this runs
+
+    def read_range():
+        try:
+            end, step = offset + nbytes, 4 << 20
+            for at in range(offset, end, step):
+                os.pread(own, min(step, end - at), at)
+        except OSError:
+            pass  # only a warm-up: rows are read again when needed, and errors reported then
+        finally:
+            os.close(own)
+
+    threading.Thread(target=read_range, name="kiln-table-warm", daemon=True).start()
 
 
 class PackedWeights:
@@ -147,6 +168,7 @@ class PackedWeights:
         if name not in self.tables:
             t = self.gguf.info(name)
             self.tables[name] = Table(self.gguf.fileno(), t.offset, int(t.type), t.nbytes // t.shape[0])
+            warm_page_cache(self.gguf.fileno(), t.offset, t.nbytes)
         return self.tables[name]
 
     @property
