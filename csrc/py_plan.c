@@ -244,6 +244,14 @@ static PyTypeObject PoolType = {
     .tp_doc = "Worker threads that claim chunks of work; the caller works too.",
 };
 
+kiln_pool *kiln_pool_of(PyObject *obj) {
+    if (!PyObject_TypeCheck(obj, &PoolType)) {
+        PyErr_Format(PyExc_TypeError, "expected a kiln._native.Pool, not %.80s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return ((Pool *)obj)->pool;
+}
+
 /* ---- Plan ------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -523,7 +531,7 @@ int kiln_plan_add_types(PyObject *module) {
         {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
         {"OP_LOGITS", OP_LOGITS}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
-        {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS},
+        {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kiln import _native
-from kiln.engine.sampler import Sampler, SamplingParams, apply_penalties, filtered_probs
+from kiln.engine.sampler import Sampler, SamplingParams, apply_penalties, filtered_probs, sample_rows
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.errors import ContextLengthError, RequestError
 from kiln.native import kernels
@@ -170,3 +170,67 @@ def test_top_indices_match_a_stable_sort(isa):
                     assert np.array_equal(got, want), (isa, n, name, k)
     finally:
         kernels.force_isa(before)
+
+
+def _random_params(rng, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=float(rng.choice([0.0, 0.2, 0.8, 1.5])), top_k=int(rng.choice([1, 5, 40, 100])),
+                          top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])),
+                          repeat_penalty=float(rng.choice([1.0, 1.1, 1.5])), repeat_last_n=int(rng.choice([0, 16, 64, -1])),
+                          presence_penalty=float(rng.choice([0.0, 0.5])),
+                          frequency_penalty=float(rng.choice([0.0, 0.3, -0.5])), seed=seed)
+
+
+def _logits_and_history(rng, n: int):
+    """Logits whose best tokens are partly in the history, so the penalties decide what the top k is."""
+    x = (rng.standard_normal(n) * rng.uniform(0.5, 4)).astype(np.float32)
+    history = [int(t) for t in rng.integers(0, n, int(rng.integers(0, 120)))]
+    for t in history[:6]:
+        x[t] += 8
+    x[rng.integers(0, n, 3)] = x.max()  # ties at the top
+    return x, history
+
+
+@pytest.mark.parametrize("isa", [i for i in ("generic", "avx2") if kernels.isa_missing(i) is None])
+def test_native_sampler_draws_the_tokens_of_the_numpy_sampler(isa):
+    """Same parameters, same generator state: the native path (penalties folded into top-k, softmax, top-p,
+    min-p, the draw) picks the numpy reference's token, for vocabularies on and off the block size."""
+    rng = np.random.default_rng(5)
+    before = kernels.active_isa()
+    kernels.force_isa(isa)
+    try:
+        for trial in range(150):
+            x, history = _logits_and_history(rng, int(rng.choice([1000, 4099, 49152])))
+            params = _random_params(rng, trial)
+            native, reference = Sampler(params), Sampler(params)
+            assert Sampler(params).native_spec(0, x, history) is not None or params.repeat_last_n == -1
+            for _ in range(4):
+                assert native(x, history) == reference.reference(x, history), (trial, params)
+    finally:
+        kernels.force_isa(before)
+
+
+def test_step_rows_sampled_on_the_pool_match_one_by_one():
+    """sample_rows on a pool of 2 threads: each row's token is the numpy reference's for that row, and the
+    rows the native sampler does not take (whole-vocabulary candidates, a long window) come back as None."""
+    rng = np.random.default_rng(6)
+    pool = _native.Pool(2)
+    n = 8192
+    for trial in range(20):
+        rows = [_logits_and_history(rng, n) for _ in range(9)]
+        logits = np.stack([x for x, _ in rows])
+        params = [_random_params(rng, 100 * trial + i) for i in range(9)]
+        params[7] = params[7].replace(top_k=0, temperature=0.8)
+        params[8] = params[8].replace(repeat_last_n=-1, repeat_penalty=1.1)
+        history8 = [int(t) for t in rng.integers(0, n, _native.SAMPLE_MAX_WINDOW + 1)]
+        histories = [h for _, h in rows[:8]] + [history8]
+        got = sample_rows(pool, logits, [(Sampler(p), i, h) for i, (p, h) in enumerate(zip(params, histories))])
+        want = [Sampler(p).reference(logits[i], h) for i, (p, h) in enumerate(zip(params, histories))]
+        assert got[:7] == want[:7] and got[7:] == [None, None]
+
+
+def test_native_sampler_leaves_the_logits_unchanged():
+    rng = np.random.default_rng(7)
+    x, history = _logits_and_history(rng, 4096)
+    before = x.copy()
+    Sampler(SamplingParams(repeat_penalty=1.3, presence_penalty=0.4, seed=1))(x, history)
+    assert np.array_equal(x, before)

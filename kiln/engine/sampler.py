@@ -53,13 +53,20 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+def penalty_window(history: Sequence[int], p: SamplingParams) -> Sequence[int]:
+    """The tokens the penalties count: the last `repeat_last_n` (-1: all)."""
+    if p.repeat_last_n == -1:
+        return history
+    return history[len(history) - p.repeat_last_n :] if p.repeat_last_n else []
+
+
 def penalized(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
     """The ids llama.cpp's repetition penalty (divide positive logits, multiply negative ones) and OpenAI's
     presence and frequency penalties touch, over the last `repeat_last_n` tokens (-1: all), and their
     new values; None when nothing changes."""
     if p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
         return None
-    window = history if p.repeat_last_n == -1 else history[len(history) - p.repeat_last_n :] if p.repeat_last_n else []
+    window = penalty_window(history, p)
     if len(window) == 0:
         return None
     counted = Counter(window)
@@ -142,8 +149,31 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
+    def native_spec(self, row: int, logits: np.ndarray, history: Sequence[int]) -> tuple | None:
+        """Row `row` of a step's logits as the native sampler's spec (see csrc/sample.c), drawing the row's
+        uniform; None where this module samples it instead: whole-vocabulary candidates (top_k 0), penalty
+        windows longer than the native sampler takes, logits it cannot read in place."""
+        p, n = self.params, logits.shape[-1]
+        if _native is None or logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            return None
+        if p.temperature != 0.0 and not 0 < p.top_k < n:
+            return None
+        window = penalty_window(history, p)
+        if len(window) > _native.SAMPLE_MAX_WINDOW:
+            return None
+        u = self.rng.random() if p.temperature != 0.0 else 0.0  # the draw _choose would make
+        return (row, np.asarray(window, dtype=np.int32).tobytes(), p.top_k, p.temperature, p.top_p, p.min_p,
+                p.repeat_penalty, p.presence_penalty, p.frequency_penalty, u)
+
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
         """Next token id. `allowed` (bool per token) restricts the choice, e.g. to a JSON grammar."""
+        spec = self.native_spec(0, logits, history) if allowed is None else None
+        if spec is not None:
+            return _native.sample_rows(None, logits, logits.size, [spec])[0]
+        return self.reference(logits, history, allowed)
+
+    def reference(self, logits: np.ndarray, history: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
+        """The numpy sampler, the native one's reference: the same draws from the generator, the same token."""
         change = penalized(logits, history, self.params)
         if change is None:
             return self._choose(logits, allowed)
@@ -169,3 +199,16 @@ class Sampler:
         ids, probs = candidates(logits, self.params)
         cumulative = np.cumsum(probs)
         return int(ids[min(int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right")), ids.size - 1)])
+
+
+def sample_rows(pool, logits: np.ndarray, rows: list[tuple[Sampler, int, Sequence[int]]]) -> list[int | None]:
+    """A step's rows sampled natively at once, on `pool`'s threads: (sampler, row of `logits`, history) in,
+    a token each out, or None for a row the caller samples itself (see Sampler.native_spec)."""
+    if _native is None or logits.dtype != np.float32 or not logits.flags.c_contiguous:
+        return [None] * len(rows)
+    specs = [sampler.native_spec(row, logits[row], history) for sampler, row, history in rows]
+    todo = [spec for spec in specs if spec is not None]
+    if not todo:
+        return [None] * len(rows)
+    done = iter(_native.sample_rows(pool, logits, logits.shape[-1], todo))
+    return [None if spec is None else next(done) for spec in specs]

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.engine.generate import common_prefix
+from kiln.engine.sampler import sample_rows
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import Draft, draft_limit, propose, verify
 from kiln.errors import KilnError
@@ -246,16 +247,16 @@ class Scheduler:
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
         start = 0
-        for req, draft in batch.out:
+        for (req, draft), own in zip(batch.out, self._sample_single_rows(batch, logits)):
             seq = req.seq
             rows = logits[start : start + (1 if draft is None else 1 + len(draft.tokens))]
             start += len(rows)
             try:
                 if draft is None:  # a prompt's last row: the first token
                     seq.timings.prefill_ms = (time.perf_counter() - seq.started) * 1e3
-                    tokens = [seq.sample(rows[0])]
+                    tokens = [seq.sample(rows[0], token=own)]
                 else:
-                    tokens = verify(seq, draft, rows)
+                    tokens = verify(seq, draft, rows, own)
             except Exception as e:  # e.g. a grammar that allows no token: fail this request, not the batch
                 log.exception("sampling failed")
                 with self._cv:
@@ -274,6 +275,26 @@ class Scheduler:
             if seq.finished:
                 with self._cv:
                     self._retire(req, seq.finish_reason)
+
+    def _sample_single_rows(self, batch: Batch, logits: np.ndarray) -> list[int | None]:
+        """The tokens of the requests with one row this step (a prompt's end, a decode step without a draft)
+        and no grammar, drawn at once on the engine's threads; None for the others, which are sampled
+        one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
+        jobs, where, start = [], [], 0
+        for i, (req, draft) in enumerate(batch.out):
+            n = 1 if draft is None else 1 + len(draft.tokens)
+            if n == 1 and req.seq.constraint is None:
+                jobs.append((req.seq.sampler, start, req.seq.all_ids))
+                where.append(i)
+            start += n
+        tokens: list[int | None] = [None] * len(batch.out)
+        try:
+            for i, token in zip(where, sample_rows(self.engine.pool, logits, jobs) if jobs else []):
+                tokens[i] = token
+        except Exception:  # the rows are then sampled one by one, where a failure is the request's own
+            log.exception("batched sampling failed")
+            return [None] * len(batch.out)
+        return tokens
 
     # --- slots (callers hold the lock) ---------------------------------------------------------------
     def _admit(self, req: Request) -> None:

@@ -120,11 +120,12 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def sample(self, logits: np.ndarray, ahead: list[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, ahead: list[int] = (), token: int | None = None) -> int:
         """The next token; `ahead` are tokens a speculative pass accepted but not yet appended, which the
-        penalties must see."""
-        allowed = self.constraint.allowed() if self.constraint is not None else None
-        token = self.sampler(logits, self.all_ids + list(ahead) if ahead else self.all_ids, allowed)
+        penalties must see. `token`: drawn already with the step's other rows (sampler.sample_rows)."""
+        if token is None:
+            allowed = self.constraint.allowed() if self.constraint is not None else None
+            token = self.sampler(logits, self.all_ids + list(ahead) if ahead else self.all_ids, allowed)
         self.note_logprob(logits, token)
         return token
 

@@ -142,11 +142,12 @@ def propose(jobs: list[tuple[object, int]]) -> list[Draft]:
     return drafts
 
 
-def verify(seq, draft: Draft, rows: np.ndarray) -> list[int]:
+def verify(seq, draft: Draft, rows: np.ndarray, own: int | None = None) -> list[int]:
     """The tokens one target pass yields for `seq`: the accepted prefix of `draft`, then one token of the
     target's own (the correction after a rejection, the bonus after a full acceptance). `rows[i]` are the
     logits after the context plus draft.tokens[:i]. The caller appends the tokens one by one (a stop may
-    discard the rest); their logprob records are noted here."""
+    discard the rest); their logprob records are noted here. `own`: the target's token of an empty draft,
+    drawn already with the step's other rows."""
     params, rng, t = seq.sampler.params, seq.sampler.rng, seq.timings
     t.decode_passes += 1
     t.draft_tokens += len(draft.tokens)
@@ -167,7 +168,7 @@ def verify(seq, draft: Draft, rows: np.ndarray) -> list[int]:
             _accepted(seq, len(draft.tokens), i)
             return out
     _accepted(seq, len(draft.tokens), len(draft.tokens))
-    out.append(seq.sample(rows[len(out)], ahead=out))
+    out.append(seq.sample(rows[len(out)], ahead=out, token=own))
     return out
 
 
