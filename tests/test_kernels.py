@@ -170,12 +170,13 @@ def test_isa_variants_agree_bit_for_bit(t):
         results = {}
         for name in usable:
             K.force_isa(name)
-            results[name] = (K.quantize_act(pm.fmt, x), K.matmul_f32(pm, x), K.matmul_f32(pm, x[:1]))
+            results[name] = (K.quantize_act(pm.fmt, x), K.matmul_f32(pm, x), K.matmul_f32(pm, x[:2]),
+                             K.matmul_f32(pm, x[:1]))
     finally:
         K.force_isa(before)
     first = usable[0]
     for name in usable[1:]:
-        for a, b, what in zip(results[first], results[name], ("activation buffer", "5 tokens", "1 token")):
+        for a, b, what in zip(results[first], results[name], ("activation buffer", "5 tokens", "2 tokens", "1 token")):
             assert np.array_equal(a, b), ctx(t.name, what, f"{first} vs {name}")
 
 
@@ -192,6 +193,7 @@ def test_deterministic_and_batch_invariant(t, isa):
     for i in (0, 17, 39):
         assert np.array_equal(y[i], K.matmul_f32(pm, x[i : i + 1])[0]), ctx(t.name, isa, f"token {i} alone")
     assert np.array_equal(y[3:11], K.matmul_f32(pm, x[3:11])), ctx(t.name, isa, "8-token batch")
+    assert np.array_equal(y[20:22], K.matmul_f32(pm, x[20:22])), ctx(t.name, isa, "2-token batch")
 
 
 def test_tile_ranges_and_threads(isa):
