@@ -124,6 +124,9 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
    alone left a streaming GEMV at ~80% of a plain read of the same memory on this class of machine;
    1 KiB ahead closes most of that gap (docs/PERF.md, "Prefetch"). A hint: it never faults. */
 #define KILN_PREFETCH 1024
+/* A precise activation's pair of rows spends twice the arithmetic on each byte: the weights are then
+   fetched further ahead (a 2-thread C harness from DRAM: 14.3 -> 16.2 GB/s, medians of 6). */
+#define KILN_PREFETCH_PAIR 4096
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */
 #define KILN_AG_D 256            /* offsets inside an activation group */
