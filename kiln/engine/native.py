@@ -73,9 +73,9 @@ def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
 
     def read_range():
         try:
-            end, step = offset + nbytes, 4 << 20
-            for at in range(offset, end, step):
-                os.pread(own, min(step, end - at), at)
+            end, buf = offset + nbytes, bytearray(1 << 20)  # one buffer: no fresh pages to fault in per read
+            for at in range(offset, end, len(buf)):
+                os.preadv(own, [memoryview(buf)[: min(len(buf), end - at)]], at)
         except OSError:
             pass  # only a warm-up: rows are read again when needed, and errors reported then
         finally:
