@@ -164,22 +164,19 @@ typedef struct {
     float *pen_vals, *work;
 } sample_scratch;
 
-static size_t sample_scratch_bytes(int n, int k) {
-    return sizeof(double) * (size_t)k + 2 * sizeof(entry) * (size_t)k + 2 * sizeof(int32_t) * MAX_WINDOW +
-           sizeof(float) * (MAX_WINDOW + 2 * (size_t)(n / BLOCK) + 1);
-}
-
-static sample_scratch carve(void *mem, int k) {
-    sample_scratch w;
-    uint8_t *b = mem;
-    w.p = (double *)b, b += sizeof(double) * (size_t)k;
-    w.heap = (entry *)b, b += sizeof(entry) * (size_t)k;
-    w.cand = (entry *)b, b += sizeof(entry) * (size_t)k;
-    w.seen = (int32_t *)b, b += sizeof(int32_t) * MAX_WINDOW;
-    w.pen_ids = (int32_t *)b, b += sizeof(int32_t) * MAX_WINDOW;
-    w.pen_vals = (float *)b, b += sizeof(float) * MAX_WINDOW;
-    w.work = (float *)b;
-    return w;
+/* Lays the scratch out from `mem` (or only measures it, for mem NULL); returns its bytes. */
+static size_t carve(uint8_t *mem, int n, int k, sample_scratch *w) {
+    size_t at = 0;
+#define TAKE(field, type, count) (w->field = (type *)(mem ? mem + at : NULL), at += sizeof(type) * (size_t)(count))
+    TAKE(p, double, k);
+    TAKE(heap, entry, k);
+    TAKE(cand, entry, k);
+    TAKE(seen, int32_t, MAX_WINDOW);
+    TAKE(pen_ids, int32_t, MAX_WINDOW);
+    TAKE(pen_vals, float, MAX_WINDOW);
+    TAKE(work, float, 2 * (n / BLOCK) + 1);
+#undef TAKE
+    return at;
 }
 
 static int by_id(const void *a, const void *b) {
@@ -231,10 +228,10 @@ static int sample_row(const float *x, int n, const sample_spec *s, sample_scratc
     }
     double total = 0.0, last = 0.0, c = 0.0;
     for (int i = 0; i < keep; i++) total += w->p[i];
-    for (int i = 0; i < keep; i++) last += w->p[i] / total; /* the draw scales by the cumulative sum's end */
+    for (int i = 0; i < keep; i++) last += w->p[i] /= total; /* the draw scales by the cumulative sum's end */
     double target = s->u * last;
     for (int i = 0; i < keep; i++)
-        if ((c += w->p[i] / total) > target) return w->cand[i].i;
+        if ((c += w->p[i]) > target) return w->cand[i].i;
     return w->cand[keep - 1].i;
 }
 
@@ -252,12 +249,12 @@ static PyObject *py_topk(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "topk: k=%d outside 1..%d", k, n);
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)k * 4);
-    entry *heap = PyMem_Malloc(2 * sizeof(entry) * (size_t)k);
+    entry *heap = PyMem_Malloc(2 * sizeof(entry) * (size_t)k), *best = heap ? heap + k : NULL;
     float *work = PyMem_Malloc(sizeof(float) * (2 * (size_t)(n / BLOCK) + 1));
     if (out && heap && work) { /* tens of microseconds: keeping the GIL beats waiting up to a switch interval to get it back */
         overrides none = {NULL, NULL, 0};
-        topk(buf.buf, n, k, &none, heap + k, heap, work);
-        for (int i = 0; i < k; i++) ((int32_t *)PyBytes_AS_STRING(out))[i] = heap[k + i].i;
+        topk(buf.buf, n, k, &none, best, heap, work);
+        for (int i = 0; i < k; i++) ((int32_t *)PyBytes_AS_STRING(out))[i] = best[i].i;
     } else {
         Py_CLEAR(out);
         PyErr_NoMemory();
@@ -282,7 +279,8 @@ typedef struct {
 
 static void sample_compute(void *ctx, int c, int thread) {
     const sample_job *j = ctx;
-    sample_scratch w = carve(j->scratch + (size_t)thread * j->scratch_bytes, j->k_max);
+    sample_scratch w;
+    carve(j->scratch + (size_t)thread * j->scratch_bytes, j->n_vocab, j->k_max, &w);
     j->thread_token[thread] = sample_row(j->logits + (size_t)j->rows[c] * j->n_vocab, j->n_vocab, &j->specs[c], &w);
 }
 
@@ -336,7 +334,8 @@ static PyObject *py_sample_rows(PyObject *self, PyObject *args) {
         }
         if (k > k_max) k_max = k;
     }
-    size_t per_thread = (sample_scratch_bytes(n_vocab, k_max) + 63) & ~(size_t)63;
+    sample_scratch sizing;
+    size_t per_thread = (carve(NULL, n_vocab, k_max, &sizing) + 63) & ~(size_t)63;
     if (!(scratch = PyMem_Malloc(per_thread * (size_t)threads))) {
         PyErr_NoMemory();
         goto done;

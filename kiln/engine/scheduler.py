@@ -95,6 +95,15 @@ class Batch:
             self.out_rows += range(len(self.tokens) - n_out, len(self.tokens))
             self.out.append((req, draft))
 
+    def out_spans(self) -> list[tuple[Request, Draft | None, int, int]]:
+        """Each entry of `out` with its first row in the step's logits and its number of rows."""
+        spans, start = [], 0
+        for req, draft in self.out:
+            n = 1 if draft is None else 1 + len(draft.tokens)
+            spans.append((req, draft, start, n))
+            start += n
+        return spans
+
 
 class Scheduler:
     def __init__(self, engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
@@ -246,11 +255,10 @@ class Scheduler:
             req.fed += n
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
-        start = 0
-        for (req, draft), own in zip(batch.out, self._sample_single_rows(batch, logits)):
+        spans = batch.out_spans()
+        for (req, draft, start, n), own in zip(spans, self._sample_single_rows(spans, logits)):
             seq = req.seq
-            rows = logits[start : start + (1 if draft is None else 1 + len(draft.tokens))]
-            start += len(rows)
+            rows = logits[start : start + n]
             try:
                 if draft is None:  # a prompt's last row: the first token
                     seq.timings.prefill_ms = (time.perf_counter() - seq.started) * 1e3
@@ -276,24 +284,22 @@ class Scheduler:
                 with self._cv:
                     self._retire(req, seq.finish_reason)
 
-    def _sample_single_rows(self, batch: Batch, logits: np.ndarray) -> list[int | None]:
+    def _sample_single_rows(self, spans: list[tuple[Request, Draft | None, int, int]], logits: np.ndarray) -> list[int | None]:
         """The tokens of the requests with one row this step (a prompt's end, a decode step without a draft)
         and no grammar, drawn at once on the engine's threads; None for the others, which are sampled
         one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
-        jobs, where, start = [], [], 0
-        for i, (req, draft) in enumerate(batch.out):
-            n = 1 if draft is None else 1 + len(draft.tokens)
+        jobs, where = [], []
+        for i, (req, _, start, n) in enumerate(spans):
             if n == 1 and req.seq.constraint is None:
                 jobs.append((req.seq.sampler, start, req.seq.all_ids))
                 where.append(i)
-            start += n
-        tokens: list[int | None] = [None] * len(batch.out)
+        tokens: list[int | None] = [None] * len(spans)
         try:
             for i, token in zip(where, sample_rows(self.engine.pool, logits, jobs) if jobs else []):
                 tokens[i] = token
         except Exception:  # the rows are then sampled one by one, where a failure is the request's own
             log.exception("batched sampling failed")
-            return [None] * len(batch.out)
+            return [None] * len(spans)
         return tokens
 
     # --- slots (callers hold the lock) ---------------------------------------------------------------
