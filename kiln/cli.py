@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "forwards_raw_args", False):
+        args.args = argv[argv.index(args.command) + 1:]
+    elif rest:
+        parser.parse_args(argv)  # reports the unrecognized arguments and exits, as argparse does
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -594,7 +594,8 @@ def test_kiln_serve_agrees_with_in_process(smollm2_path, home):
 def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     from kiln.synth import SHAPES
 
-    assert kiln_main(["bench", str(tiny), "-p", "16", "-n", "8", "-b", "1,2", "-r", "1", "-o", "json"]) == 0
+    # options before the model, as llama-bench takes them
+    assert kiln_main(["bench", "-p", "16", "-n", "8", "-b", "1,2", "-r", "1", "-o", "json", str(tiny)]) == 0
     report = json.loads(capsys.readouterr().out)
     by_test = {r["test"]: r for r in report["results"]}
     assert set(by_test) == {"pp16", "tg8", "tg8 b2"}
@@ -614,3 +615,11 @@ def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     mem = report["memory"][str(one["threads"])]
     assert mem["weights_bytes"] > 0 and mem["rss_growth_bytes"] > 0
     assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))
+
+
+def test_bench_help_lists_options_and_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kiln_main(["bench", "-h"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--n-prompt" in out and "--batch" in out and "kiln bench sweep" in out

@@ -28,7 +28,9 @@ def _ints(text: str) -> list[int]:
 
 
 def perf_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0],
+                                epilog="subcommands: " + ", ".join(f"kiln bench {name}" for name in SUBCOMMANDS)
+                                + " (each takes -h)")
     p.add_argument("model", help="tag or .gguf path")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens of the pp test (0: skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens of the tg test (0: skip)")
@@ -44,8 +46,9 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="measure engine throughput (llama-bench style) and more",
                        description="kiln bench TAG [-p 512 -n 128 -t 1,2 -r 5 -d 0,1024 -b 1,8 -o md|json|csv]",
                        add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
+    # The arguments go to the perf parser or a subcommand's parser untouched (kiln.cli forwards them raw),
+    # so options may come before the model and `kiln bench -h` reaches the perf parser's help.
+    p.set_defaults(func=cmd_bench, forwards_raw_args=True)
 
 
 def cmd_bench(args) -> int:
