@@ -103,6 +103,16 @@ void kiln_quantize_act(kiln_wfmt f, const float *x, int ldx, int cols, int n_tok
     kiln_quantize_act_generic(f, x, ldx, cols, n_tok, act);
 }
 
+void kiln_quantize_act_pair(kiln_wfmt f, const float *x, int cols, void *first, void *second, float *residual) {
+#if KILN_X86
+    if (kiln_active_isa() != ISA_GENERIC) {
+        kiln_quantize_act_pair_avx2(f, x, cols, first, second, residual);
+        return;
+    }
+#endif
+    kiln_quantize_act_pair_generic(f, x, cols, first, second, residual);
+}
+
 void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
     switch (kiln_active_isa()) {
 #if KILN_X86

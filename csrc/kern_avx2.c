@@ -436,7 +436,9 @@ ALWAYS float hmax(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static void quantize_group(const float *x, int nb, uint8_t *ag) {
+/* Unless resid is NULL, it gets x - (float)q * d for the group's nb blocks: the product rounded, then the
+   difference (kern_generic.c's order; an empty asm keeps the compiler from fusing them into an FMA). */
+static void quantize_group(const float *x, int nb, uint8_t *ag, float *resid) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256i rows[8];
@@ -462,6 +464,12 @@ static void quantize_group(const float *x, int nb, uint8_t *ag) {
         float dj = amax / 127.0f, id = dj != 0 ? 1.0f / dj : 0.0f;
         __m256i q[4];
         for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        if (resid) /* |q| <= 127 (d = max|x|/127), so q is also the stored byte */
+            for (int i = 0; i < 4; i++) {
+                __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(dj));
+                __asm__("" : "+x"(value));
+                _mm256_storeu_ps(resid + 32 * j + 8 * i, _mm256_sub_ps(v[i], value));
+            }
         int lo = hsum_i32(_mm256_add_epi32(q[0], q[1])), hi = hsum_i32(_mm256_add_epi32(q[2], q[3]));
         /* packs leave 4-byte units in chunk order 0,2,4,6,1,3,5,7 */
         __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -491,7 +499,17 @@ void kiln_quantize_act_avx2(kiln_wfmt f, const float *x, int ldx, int cols, int 
     for (int t = 0; t < n_tok; t++)
         for (int g = 0; g * KILN_GROUP < cols; g++) {
             int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
-            quantize_group(x + (size_t)t * ldx + g * KILN_GROUP, nb, (uint8_t *)act + t * stride + (size_t)g * KILN_AG_BYTES);
+            quantize_group(x + (size_t)t * ldx + g * KILN_GROUP, nb, (uint8_t *)act + t * stride + (size_t)g * KILN_AG_BYTES, NULL);
         }
+}
+
+void kiln_quantize_act_pair_avx2(kiln_wfmt f, const float *x, int cols, void *first, void *second, float *residual) {
+    (void)f; /* every integer format shares one activation layout */
+    for (int g = 0; g * KILN_GROUP < cols; g++) {
+        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        size_t at = (size_t)g * KILN_AG_BYTES;
+        quantize_group(x + g * KILN_GROUP, nb, (uint8_t *)first + at, residual + g * KILN_GROUP);
+        quantize_group(residual + g * KILN_GROUP, nb, (uint8_t *)second + at, NULL);
+    }
 }
 #endif

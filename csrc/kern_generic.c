@@ -154,3 +154,23 @@ void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, i
         }
     }
 }
+
+/* The values an int8 activation row stands for (per group of 256: the quants in lane order, then a scale
+   per block of 32), as (float)q * d. */
+static void act_row_values(const uint8_t *act, int cols, float *x) {
+    for (int g = 0; g * KILN_GROUP < cols; g++) {
+        const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
+        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        float d[8], *xg = x + g * KILN_GROUP;
+        memcpy(d, ag + KILN_AG_D, sizeof(float) * nb);
+        for (int j = 0; j < nb; j++)
+            for (int i = 0; i < 32; i++) xg[32 * j + i] = (float)(int8_t)ag[kiln_act_byte(nb, j, i)] * d[j];
+    }
+}
+
+void kiln_quantize_act_pair_generic(kiln_wfmt f, const float *x, int cols, void *first, void *second, float *residual) {
+    kiln_quantize_act_generic(f, x, cols, cols, 1, first);
+    act_row_values(first, cols, residual);
+    for (int c = 0; c < cols; c++) residual[c] = x[c] - residual[c];
+    kiln_quantize_act_generic(f, residual, cols, cols, 1, second);
+}

@@ -109,6 +109,10 @@ int kiln_act_kind(kiln_wfmt fmt);
 size_t kiln_act_stride(kiln_wfmt fmt, int cols); /* bytes per token */
 size_t kiln_act_size(kiln_wfmt fmt, int cols, int n_tok);
 void kiln_quantize_act(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+/* A precise pair for one token of an integer format: `first` = x quantized (as kiln_quantize_act), and
+   `second` = the residual x - value(first) quantized, with value = (float)q * d rounded, then subtracted
+   and rounded (two roundings in every ISA). `residual` is scratch of cols floats. */
+void kiln_quantize_act_pair(kiln_wfmt fmt, const float *x, int cols, void *first, void *second, float *residual);
 /* y[t*ldy + r] = dot(row r of w, activation t) for rows r in [tile0*4, min(tile1*4, rows)), t < n_tok.
    Safe from several threads on disjoint tile ranges, allocates nothing, deterministic. */
 void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
@@ -193,9 +197,11 @@ static inline float kiln_f16_to_f32(uint16_t h) {
 
 void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 void kiln_quantize_act_generic(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+void kiln_quantize_act_pair_generic(kiln_wfmt fmt, const float *x, int cols, void *first, void *second, float *residual);
 #if KILN_X86
 void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 void kiln_quantize_act_avx2(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
+void kiln_quantize_act_pair_avx2(kiln_wfmt fmt, const float *x, int cols, void *first, void *second, float *residual);
 uint64_t kiln_mem_read_avx2(const void *p, size_t size);
 void kiln_block_maxima_avx2(const float *x, int blocks, float *best); /* top-k's pass over blocks of 16 */
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);

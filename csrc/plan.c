@@ -73,36 +73,11 @@ static void glu_row(int kind, const float *g, const float *u, float *out, int n)
     for (int i = 0; i < n; i++) out[i] = activate(kind, g[i]) * u[i];
 }
 
-/* The values an int8 activation row stands for (the layout of kernels.h: per group of 256, the quants
- * in lane order, then a scale per block of 32). */
-static void act_row_values(const uint8_t *act, int cols, float *x) {
-    for (int g = 0; g * KILN_GROUP < cols; g++) {
-        const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
-        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
-        float d[8], *xg = x + g * KILN_GROUP;
-        memcpy(d, ag + KILN_AG_D, sizeof(float) * nb);
-        if (nb > 4) { /* chunk k holds weights 4k..4k+3 of every block: walk the bytes in order */
-            for (int k = 0; k < 8; k++)
-                for (int j = 0; j < nb; j++)
-                    for (int m = 0; m < 4; m++) xg[32 * j + 4 * k + m] = (int8_t)ag[32 * k + 4 * j + m] * d[j];
-            continue;
-        }
-        for (int j = 0; j < nb; j++)
-            for (int i = 0; i < 32; i++) xg[32 * j + i] = (int8_t)ag[kiln_act_byte(nb, j, i)] * d[j];
-    }
-}
-
 /* A precise activation is two int8 rows per token, x ≈ q1·d1 + q2·d2 with the second row quantizing
  * what the first missed: about 15 bits instead of 8, for the matrices whose inputs int8 hurts most.
  * The n tokens' first rows come first, then their n second rows, so a matmul takes them as 2n tokens
- * and reads the weights once, and the output head can take the first rows alone (see refine_compute). */
-static void quantize_precise_row(kiln_wfmt fmt, const float *x, int cols, uint8_t *first, uint8_t *second,
-                                 float *residual) {
-    kiln_quantize_act(fmt, x, cols, cols, 1, first);
-    act_row_values(first, cols, residual);
-    for (int c = 0; c < cols; c++) residual[c] = x[c] - residual[c];
-    kiln_quantize_act(fmt, residual, cols, cols, 1, second);
-}
+ * and reads the weights once, and the output head can take the first rows alone (see refine_compute).
+ * kiln_quantize_act_pair forms both rows. */
 
 static int precise_kind(const kiln_op *op, int k) { return op->precise && kiln_act_kind(op->act_fmt[k]) == KILN_ACT_Q8; }
 
@@ -125,7 +100,7 @@ static void quantize_row(const kiln_plan *p, const kiln_op *op, int i, float *no
     }
     for (int k = 0; k < op->n_act; k++) {
         if (precise_kind(op, k))
-            quantize_precise_row(op->act_fmt[k], x, op->cols, dst[k], dst2[k], residual);
+            kiln_quantize_act_pair(op->act_fmt[k], x, op->cols, dst[k], dst2[k], residual);
         else
             kiln_quantize_act(op->act_fmt[k], x, op->cols, op->cols, 1, dst[k]);
     }

@@ -126,6 +126,39 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* quantize_act_pair(fmt, x, cols, first, second): one token's precise pair */
+static PyObject *py_quantize_act_pair(PyObject *self, PyObject *args) {
+    int fmt, cols;
+    PyObject *xo, *fo, *so;
+    if (!PyArg_ParseTuple(args, "iOiOO", &fmt, &xo, &cols, &fo, &so) || fmt_arg(fmt)) return NULL;
+    if (kiln_act_kind((kiln_wfmt)fmt) != KILN_ACT_Q8 || cols <= 0 || cols % 32)
+        return PyErr_Format(PyExc_ValueError, "a precise pair needs an integer format and cols a multiple of 32, got cols %d", cols);
+    size_t stride = kiln_act_stride((kiln_wfmt)fmt, cols);
+    Py_buffer x, first, second;
+    if (get_buf(xo, &x, 0, (Py_ssize_t)cols * 4, "activations")) return NULL;
+    if (get_buf(fo, &first, 1, (Py_ssize_t)stride, "first row buffer")) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    if (get_buf(so, &second, 1, (Py_ssize_t)stride, "second row buffer")) {
+        PyBuffer_Release(&x);
+        PyBuffer_Release(&first);
+        return NULL;
+    }
+    float *residual = PyMem_RawMalloc(sizeof(float) * (size_t)cols);
+    if (residual) {
+        Py_BEGIN_ALLOW_THREADS
+        kiln_quantize_act_pair((kiln_wfmt)fmt, x.buf, cols, first.buf, second.buf, residual);
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(residual);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&first);
+    PyBuffer_Release(&second);
+    if (!residual) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1) */
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int fmt, rows, cols, n, ldy, tile0, tile1;
@@ -228,6 +261,7 @@ PyMethodDef kernel_methods[] = {
     {"act_kind", py_act_kind, METH_VARARGS, "Activation layout a format consumes."},
     {"act_size", py_act_size, METH_VARARGS, "act_size(fmt, cols, n_tok) -> bytes."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(fmt, x, ldx, cols, n_tok, act)."},
+    {"quantize_act_pair", py_quantize_act_pair, METH_VARARGS, "quantize_act_pair(fmt, x, cols, first, second)."},
     {"matmul", py_matmul, METH_VARARGS, "matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1)."},
     {"huge_buffer", py_huge_buffer, METH_VARARGS, "huge_buffer(size) -> writable buffer on huge pages."},
     {"mem_read", py_mem_read, METH_VARARGS, "Read every byte of a buffer once (bandwidth reference)."},

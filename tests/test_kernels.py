@@ -172,11 +172,14 @@ def test_isa_variants_agree_bit_for_bit(t):
             K.force_isa(name)
             results[name] = (K.quantize_act(pm.fmt, x), K.matmul_f32(pm, x), K.matmul_f32(pm, x[:2]),
                              K.matmul_f32(pm, x[:1]))
+            if t not in FLOAT_TYPES:
+                results[name] += K.quantize_act_pair(pm.fmt, x[0])
     finally:
         K.force_isa(before)
     first = usable[0]
+    what = ("activation buffer", "5 tokens", "2 tokens", "1 token", "precise pair's first row", "precise pair's second row")
     for name in usable[1:]:
-        for a, b, what in zip(results[first], results[name], ("activation buffer", "5 tokens", "2 tokens", "1 token")):
+        for a, b, what in zip(results[first], results[name], what):
             assert np.array_equal(a, b), ctx(t.name, what, f"{first} vs {name}")
 
 
@@ -194,6 +197,32 @@ def test_deterministic_and_batch_invariant(t, isa):
         assert np.array_equal(y[i], K.matmul_f32(pm, x[i : i + 1])[0]), ctx(t.name, isa, f"token {i} alone")
     assert np.array_equal(y[3:11], K.matmul_f32(pm, x[3:11])), ctx(t.name, isa, "8-token batch")
     assert np.array_equal(y[20:22], K.matmul_f32(pm, x[20:22])), ctx(t.name, isa, "2-token batch")
+
+
+def identity_q8(cols: int) -> np.ndarray:
+    """GGUF bytes of a Q8_0 identity matrix with block scales 1.0: a matmul then returns the values an
+    activation row stands for, each rounded once ((float)q * d), as the kernels' FMA into zero does."""
+    blocks = np.zeros((cols, cols // 32), dtype=[("d", "<f2"), ("q", "i1", 32)])
+    blocks["d"] = 1.0
+    for r in range(cols):
+        blocks["q"][r, r // 32, r % 32] = 1
+    return blocks.view(np.uint8).reshape(cols, -1)
+
+
+@pytest.mark.parametrize("cols", [576, 1024])
+def test_precise_pair_quantizes_the_residual(cols, isa):
+    rng = rng_for("pair", cols)
+    eye = K.pack(QT.Q8_0, identity_q8(cols), cols, cols)
+    for x in activations(QT.Q8_0, 3, cols, rng):
+        first, second = K.quantize_act_pair(K.Format.Q8, x)
+        assert np.array_equal(first, K.quantize_act(K.Format.Q8, x)), ctx(isa, cols, "first row")
+        v1 = K.matmul(eye, first, 1)[0]
+        assert np.array_equal(second, K.quantize_act(K.Format.Q8, x - v1)), ctx(isa, cols, "second row")
+        v2 = K.matmul(eye, second, 1)[0]
+        # each block's pair carries ~15 bits: 1/127 of the first row's step, halved by rounding
+        blocks = np.abs(x).reshape(-1, 32).max(1)
+        bound = np.repeat(blocks / 127 / 254 * 1.01, 32)
+        assert (np.abs(x - v1 - v2) <= bound + 1e-30).all(), ctx(isa, cols, "pair error")
 
 
 def test_tile_ranges_and_threads(isa):

@@ -117,6 +117,15 @@ def quantize_act(fmt: Format, x: np.ndarray, out: np.ndarray | None = None) -> n
     return act
 
 
+def quantize_act_pair(fmt: Format, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One token's precise pair (an integer format's layout): x quantized, and the residual it leaves
+    quantized (csrc/kernels.h, kiln_quantize_act_pair)."""
+    x = np.ascontiguousarray(x, dtype=np.float32).ravel()
+    first, second = (np.empty(act_size(fmt, x.size, 1), np.uint8) for _ in range(2))
+    _native.quantize_act_pair(int(fmt), x, x.size, first, second)
+    return first, second
+
+
 def matmul(w: PackedMatrix, act: np.ndarray, n_tok: int, out: np.ndarray | None = None, tile0: int = 0,
            tile1: int | None = None) -> np.ndarray:
     """y (n_tok, rows) = activations . weightsᵀ, for the rows of tiles [tile0, tile1) (others untouched)."""
