@@ -199,6 +199,27 @@ def test_deterministic_and_batch_invariant(t, isa):
     assert np.array_equal(y[20:22], K.matmul_f32(pm, x[20:22])), ctx(t.name, isa, "2-token batch")
 
 
+def test_activation_quantizer_agrees_across_isas_at_every_width():
+    """Every short last group (1..7 blocks: pair order, shared tail, natural order) and full groups."""
+    usable = [name for name in K.ISAS if not K.isa_missing(name)]
+    if len(usable) < 2:
+        pytest.skip("only one ISA variant runs on this CPU")
+    before = K.ISAS[K._native.isa_active()]
+    rng = rng_for("widths")
+    try:
+        for cols in range(32, 1024 + 32, 32):
+            x = activations(QT.Q8_0, 2, cols, rng)
+            results = {}
+            for name in usable:
+                K.force_isa(name)
+                results[name] = (K.quantize_act(K.Format.Q8, x), *K.quantize_act_pair(K.Format.Q8, x[0]))
+            for name in usable[1:]:
+                for a, b in zip(results[usable[0]], results[name]):
+                    assert np.array_equal(a, b), ctx(f"cols {cols}", f"{usable[0]} vs {name}")
+    finally:
+        K.force_isa(before)
+
+
 def identity_q8(cols: int) -> np.ndarray:
     """GGUF bytes of a Q8_0 identity matrix with block scales 1.0: a matmul then returns the values an
     activation row stands for, each rounded once ((float)q * d), as the kernels' FMA into zero does."""
