@@ -104,6 +104,10 @@ size_t kiln_tile_bytes(kiln_wfmt fmt, int cols);          /* bytes of one tile; 
 /* src: GGUF bytes, row-major. dst: kiln_pack_size bytes. Returns 0, or -1 for a bad type/shape. */
 int kiln_pack(int ggml_type, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_wmat *out);
 
+/* Row `row` of a packed matrix back to its GGUF bytes (kiln_ggml_row_bytes of them), exactly as packed;
+   -1 for a bad row. Lets a table the output head shares be looked up without a second copy. */
+int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst);
+
 /* ---- Activations and matmul (dispatch in cpu.c) ---- */
 int kiln_act_kind(kiln_wfmt fmt);
 size_t kiln_act_stride(kiln_wfmt fmt, int cols); /* bytes per token */

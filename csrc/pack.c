@@ -234,3 +234,123 @@ int kiln_pack(int t, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_
     *out = (kiln_wmat){f, rows, cols, tiles * 4, tb, dst};
     return 0;
 }
+
+/* ---- the inverse: one row of a packed matrix back to its GGUF bytes ---- */
+
+static int ggml_for_wfmt(kiln_wfmt f) {
+    static const int types[WF_COUNT] = {[WF_F32] = GGML_F32, [WF_F16] = GGML_F16, [WF_BF16] = GGML_BF16,
+                                        [WF_Q4] = GGML_Q4_1, [WF_Q4K] = GGML_Q4_K, [WF_Q5] = GGML_Q5_0,
+                                        [WF_Q5K] = GGML_Q5_K, [WF_Q8] = GGML_Q8_0, [WF_Q6K] = GGML_Q6_K,
+                                        [WF_Q4S] = GGML_Q4_0};
+    return f >= 0 && f < WF_COUNT ? types[f] : -1;
+}
+
+/* q[j*32 + i], the plain values of nb blocks, from quants in lane order (put_nibbles etc. undone). */
+static void get_values(kiln_wfmt f, const uint8_t *qd, int nb, uint8_t *q) {
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < 32; i++) {
+            int k = i >> 2, e = 32 * j + i;
+            if (f == WF_Q8) {
+                q[e] = qd[lane_byte(nb, j, i)];
+                continue;
+            }
+            q[e] = (qd[(k & 3) * 4 * nb + 4 * j + (i & 3)] >> (k >= 4 ? 4 : 0)) & 15;
+            if (f == WF_Q5 || f == WF_Q5K) q[e] |= ((qd[16 * nb + 4 * j + (i & 3)] >> k) & 1) << 4;
+            if (f == WF_Q6K) q[e] |= ((qd[128 + (k >> 2) * 32 + 4 * j + (i & 3)] >> (2 * (k & 3))) & 3) << 4;
+        }
+}
+
+/* Blocks of 32: header h and quants qd of nb blocks -> GGUF blocks at dst (pack_group32 undone). */
+static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int nb, uint8_t *dst) {
+    uint8_t q[256];
+    int bb = f == WF_Q4S ? 18 : f == WF_Q4 ? 20 : f == WF_Q5 ? 22 : 34;
+    get_values(f, qd, nb, q);
+    for (int j = 0; j < nb; j++) {
+        uint8_t *b = dst + j * bb;
+        const uint8_t *v = q + 32 * j;
+        wr16(b, rd16(h + 2 * j));
+        if (f == WF_Q8) {
+            memcpy(b + 2, v, 32);
+            continue;
+        }
+        if (f == WF_Q4) wr16(b + 2, rd16(h + 2 * nb + 2 * j));
+        uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
+        uint32_t qh = 0;
+        for (int i = 0; i < 16; i++) {
+            qs[i] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
+            qh |= (uint32_t)(v[i] >> 4 & 1) << i | (uint32_t)(v[16 + i] >> 4 & 1) << (16 + i);
+        }
+        if (f == WF_Q5)
+            for (int i = 0; i < 4; i++) b[2 + i] = (uint8_t)(qh >> (8 * i));
+    }
+}
+
+/* A super-block of 256 (pack_groupk undone). */
+static void unpack_groupk(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, uint8_t *b) {
+    uint8_t q[256];
+    get_values(f, qd, 8, q);
+    if (f == WF_Q6K) {
+        uint8_t *ql = b, *qh = b + 128;
+        memset(b, 0, 192);
+        memcpy(b + 192, h + 2, 16);
+        wr16(b + 208, rd16(h));
+        for (int e = 0; e < 256; e++) {
+            int half = e >> 7, r = e & 127;
+            ql[64 * half + (r & 63)] |= (uint8_t)((q[e] & 15) << (r >= 64 ? 4 : 0));
+            qh[32 * half + (r & 31)] |= (uint8_t)((q[e] >> 4 & 3) << (2 * (r >> 5)));
+        }
+        return;
+    }
+    const uint8_t *sc = h + 4, *m = h + 12;
+    uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == WF_Q5K ? 48 : 16);
+    wr16(b, rd16(h));
+    wr16(b + 2, rd16(h + 2));
+    for (int j = 0; j < 4; j++) { /* k_scale_min undone: 8 six-bit scales and mins in 12 bytes */
+        scales[j] = (uint8_t)((sc[j] & 63) | (sc[j + 4] >> 4) << 6);
+        scales[j + 4] = (uint8_t)((m[j] & 63) | (m[j + 4] >> 4) << 6);
+        scales[j + 8] = (uint8_t)((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
+    }
+    memset(qs, 0, 128);
+    if (f == WF_Q5K) memset(qh, 0, 32);
+    for (int e = 0; e < 256; e++) {
+        int c = e >> 6, l = e & 63;
+        qs[32 * c + (l & 31)] |= (uint8_t)((q[e] & 15) << (l >= 32 ? 4 : 0));
+        if (f == WF_Q5K) qh[e & 31] |= (uint8_t)((q[e] >> 4 & 1) << (e >> 5));
+    }
+}
+
+int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst) {
+    kiln_wfmt f = w->fmt;
+    int t = ggml_for_wfmt(f);
+    if (t < 0 || row < 0 || row >= w->rows) return -1;
+    const uint8_t *tile = w->data + (size_t)(row / 4) * w->tile_bytes;
+    int r = row % 4;
+    if (kiln_fmt_is_float(f)) {
+        int es = kiln_fmt_elem_bytes(f), nchunk = (w->cols + KILN_FCHUNK - 1) / KILN_FCHUNK;
+        for (int c = 0; c < nchunk; c++) {
+            int n = w->cols - c * KILN_FCHUNK < KILN_FCHUNK ? w->cols - c * KILN_FCHUNK : KILN_FCHUNK;
+            memcpy(dst + (size_t)c * KILN_FCHUNK * es, tile + ((size_t)c * 4 + r) * KILN_FCHUNK * es, (size_t)n * es);
+        }
+        return 0;
+    }
+    int G = w->cols / KILN_GROUP, nt = w->cols % KILN_GROUP / 32, bb = ggml_block_bytes(t);
+    const uint8_t *p = tile;
+    for (int g = 0; g <= G; g++) {
+        int nb = g < G ? 8 : nt;
+        if (!nb) break;
+        uint8_t *out = dst + (size_t)g * (KILN_GROUP / ggml_block_weights(t)) * bb; /* a group's GGUF blocks */
+        if (g == G && kiln_shared_tail(nb)) { /* block 2r+j of one 8-block group is block j of row r */
+            uint8_t blocks[8 * 34];
+            unpack_group32(f, p, p + kiln_fmt_head_bytes(f, 8), 8, blocks);
+            memcpy(out, blocks + 2 * r * bb, 2 * (size_t)bb);
+            break;
+        }
+        int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
+        if (ggml_block_weights(t) == 256)
+            unpack_groupk(f, p + r * hb, p + 4 * hb + r * qb, out);
+        else
+            unpack_group32(f, p + r * hb, p + 4 * hb + r * qb, nb, out);
+        p += 4 * (hb + qb);
+    }
+    return 0;
+}

@@ -600,8 +600,9 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
             float *x = op->out + (size_t)t * op->cols;
             uint8_t *row = (uint8_t *)scratch(p, 0); /* a row is at most cols floats */
             off_t at = (off_t)(op->table_offset + (size_t)p->tokens[t] * op->table_row_bytes);
-            if (pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes) {
-                p->error = errno ? errno : EIO;
+            if (op->table_w ? kiln_unpack_row(op->table_w, p->tokens[t], row) < 0
+                            : pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes) {
+                p->error = op->table_w ? EINVAL : errno ? errno : EIO;
                 memset(x, 0, sizeof(float) * op->cols);
                 continue;
             }

@@ -61,7 +61,9 @@ typedef struct kiln_op {
     int w_act, w2_act;       /* index into act[] each weight consumes */
     const float *bias;
     int glu_act;
-    /* embedding table, read in place from the GGUF file one row per token (GGUF layout) */
+    /* embedding table: a packed matrix the output head shares (table_w, its rows unpacked to GGUF bytes),
+     * else read in place from the GGUF file one row per token (GGUF layout) */
+    const kiln_wmat *table_w;
     int table_fd;
     size_t table_offset;
     int table_type;

@@ -159,6 +159,29 @@ static PyObject *py_quantize_act_pair(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* unpack_row(ggml_type, rows, cols, tile_bytes, data, row, out): a packed row back to its GGUF bytes */
+static PyObject *py_unpack_row(PyObject *self, PyObject *args) {
+    int ggml, rows, cols, row;
+    Py_ssize_t tile_bytes;
+    PyObject *wo, *oo;
+    if (!PyArg_ParseTuple(args, "iiinOiO", &ggml, &rows, &cols, &tile_bytes, &wo, &row, &oo)) return NULL;
+    int fmt = kiln_wfmt_for_ggml(ggml), tiles = (rows + 3) / 4;
+    if (fmt < 0 || rows <= 0 || cols <= 0 || (size_t)tile_bytes != kiln_tile_bytes((kiln_wfmt)fmt, cols))
+        return PyErr_Format(PyExc_ValueError, "bad packed matrix: type %d, %d x %d, tile_bytes %zd", ggml, rows, cols, tile_bytes);
+    if (row < 0 || row >= rows) return PyErr_Format(PyExc_IndexError, "row %d of a matrix of %d rows", row, rows);
+    Py_buffer wb, ob;
+    if (get_buf(wo, &wb, 0, tiles * tile_bytes + KILN_PACK_SLACK, "packed weights")) return NULL;
+    if (get_buf(oo, &ob, 1, (Py_ssize_t)kiln_ggml_row_bytes(ggml, cols), "row buffer")) {
+        PyBuffer_Release(&wb);
+        return NULL;
+    }
+    kiln_wmat w = {(kiln_wfmt)fmt, rows, cols, tiles * 4, (size_t)tile_bytes, wb.buf};
+    kiln_unpack_row(&w, row, ob.buf);
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
 /* matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1) */
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int fmt, rows, cols, n, ldy, tile0, tile1;
@@ -261,6 +284,7 @@ PyMethodDef kernel_methods[] = {
     {"act_kind", py_act_kind, METH_VARARGS, "Activation layout a format consumes."},
     {"act_size", py_act_size, METH_VARARGS, "act_size(fmt, cols, n_tok) -> bytes."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(fmt, x, ldx, cols, n_tok, act)."},
+    {"unpack_row", py_unpack_row, METH_VARARGS, "unpack_row(ggml_type, rows, cols, tile_bytes, data, row, out)."},
     {"quantize_act_pair", py_quantize_act_pair, METH_VARARGS, "quantize_act_pair(fmt, x, cols, first, second)."},
     {"matmul", py_matmul, METH_VARARGS, "matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1)."},
     {"huge_buffer", py_huge_buffer, METH_VARARGS, "huge_buffer(size) -> writable buffer on huge pages."},

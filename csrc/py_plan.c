@@ -454,7 +454,7 @@ static const struct {
     FIELD(select_rows, 'i'), FIELD(n_act, 'i'), FIELD(act_fmt[0], 'i'), FIELD(act_fmt[1], 'i'),
     FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'),
     FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
-    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
+    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_w, 'p'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
     FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
     FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
     FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),

@@ -246,6 +246,20 @@ def test_precise_pair_quantizes_the_residual(cols, isa):
         assert (np.abs(x - v1 - v2) <= bound + 1e-30).all(), ctx(isa, cols, "pair error")
 
 
+@pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
+def test_packed_rows_unpack_to_their_gguf_bytes(t):
+    """Every row, padding rows beside it included: full groups, short groups, a shared tail (576)."""
+    rng = rng_for("unpack", t)
+    for rows, cols in ([(7, 768), (5, 512)] if t in K_TYPES else [(7, 576), (6, 640), (5, 96), (3, 40 if t in FLOAT_TYPES else 32)]):
+        raw = random_weights(t, rows, cols, rng)
+        pm = K.pack(t, raw, rows, cols)
+        gguf_rows = np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+        for r in range(rows):
+            assert np.array_equal(K.unpack_row(pm, int(t), r), gguf_rows[r]), ctx(t.name, f"{rows}x{cols}", f"row {r}")
+    with pytest.raises(IndexError):
+        K.unpack_row(pm, int(t), rows)
+
+
 def test_tile_ranges_and_threads(isa):
     """Disjoint tile ranges, also from concurrent threads, fill exactly their rows."""
     rng = rng_for("tiles")

@@ -204,11 +204,17 @@ class Lowering:
     # ---- lowering rules ------------------------------------------------------------------------------
     def _value_embed(self, node: Node) -> Buf:
         out = self._floats(self.cfg.dim)
-        table = self.weights.table(node.params["table"])
+        name = node.params["table"]
         self._scratch(self.cfg.dim)  # the caller reads a table row into its scratch
-        self._emit(kind=self.n.OP_EMBED, op_class=4, cols=self.cfg.dim, out=out, scale=node.params["scale"],
-                   table_fd=table.fd, table_offset=table.offset, table_type=table.ggml_type,
-                   table_row_bytes=table.row_bytes)
+        if self.weights.has_matrix(name):  # tied to the output head: its packed rows, already in memory
+            ggml_type, row_bytes = self.weights.row_format(name)
+            source = {"table_w": self.weights.matrix(name).address, "table_fd": -1, "table_type": ggml_type,
+                      "table_row_bytes": row_bytes}
+        else:
+            table = self.weights.table(name)
+            source = {"table_fd": table.fd, "table_offset": table.offset, "table_type": table.ggml_type,
+                      "table_row_bytes": table.row_bytes}
+        self._emit(kind=self.n.OP_EMBED, op_class=4, cols=self.cfg.dim, out=out, scale=node.params["scale"], **source)
         return out
 
     def _value_add(self, node: Node) -> Buf:

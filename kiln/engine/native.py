@@ -56,7 +56,8 @@ def physical_cores() -> int:
 
 @dataclass
 class Table:
-    """An embedding table read in place from the GGUF file (pread of one row per token)."""
+    """An embedding table read in place from the GGUF file (pread of one row per token). A table the output
+    head shares is not one: its rows come from the packed head, already in memory (kiln_unpack_row)."""
 
     fd: int
     offset: int
@@ -159,6 +160,14 @@ class PackedWeights:
     def matrix(self, name: str):
         return self.mats[name]
 
+    def has_matrix(self, name: str) -> bool:
+        return name in self.mats
+
+    def row_format(self, name: str) -> tuple[int, int]:
+        """A tensor's GGUF type and the bytes of one of its rows."""
+        t = self.gguf.info(name)
+        return int(t.type), t.nbytes // t.shape[0]
+
     def vector(self, name: str) -> np.ndarray:
         if name not in self.vectors:
             self.vectors[name] = np.ascontiguousarray(self.gguf.dequantize(name), dtype=np.float32).ravel()
@@ -167,7 +176,8 @@ class PackedWeights:
     def table(self, name: str) -> Table:
         if name not in self.tables:
             t = self.gguf.info(name)
-            self.tables[name] = Table(self.gguf.fileno(), t.offset, int(t.type), t.nbytes // t.shape[0])
+            ggml_type, row_bytes = self.row_format(name)
+            self.tables[name] = Table(self.gguf.fileno(), t.offset, ggml_type, row_bytes)
             warm_page_cache(self.gguf.fileno(), t.offset, t.nbytes)
         return self.tables[name]
 

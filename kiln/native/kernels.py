@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kiln import _native
 
@@ -98,6 +99,14 @@ def pack(ggml_type: int, raw: np.ndarray, rows: int, cols: int, out: np.ndarray 
     dst = np.empty(size, np.uint8) if out is None else out
     fmt, rows_padded, tile_bytes = _native.pack(int(ggml_type), np.ascontiguousarray(raw), rows, cols, dst)
     return PackedMatrix(Format(fmt), rows, cols, rows_padded, tile_bytes, dst)
+
+
+def unpack_row(w: PackedMatrix, ggml_type: int, row: int) -> np.ndarray:
+    """Row `row` of a packed matrix back to its GGUF bytes (of type `ggml_type`, the type it was packed from)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    out = np.empty(w.cols // block * size, np.uint8)
+    _native.unpack_row(int(ggml_type), w.rows, w.cols, w.tile_bytes, w.data, row, out)
+    return out
 
 
 def act_kind(fmt: Format) -> ActKind:
