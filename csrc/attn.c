@@ -18,8 +18,10 @@
 
 typedef struct {
     /* s[r * TILE + j] = dot(q[r], key j) for r < nq, j < nk (nk a multiple of KEY_GROUP); kg points at
-     * the first key's group, v at the first key's values (a kernel may prefetch them) */
-    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s);
+     * the first key's group, v at the first key's values, next at the keys wanted after this tile (a
+     * kernel may prefetch them) */
+    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, const uint16_t *next,
+                   float *s);
     /* o[r] += sum_j p[r * TILE + j] * v[j] for r < nq */
     void (*accumulate)(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o);
     void (*exp_row)(float *x, int n, float shift); /* x[i] = exp(x[i] - shift) */
@@ -27,8 +29,9 @@ typedef struct {
 
 /* ---- portable reference ---- */
 
-static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s) {
-    (void)v;
+static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v,
+                           const uint16_t *next, float *s) {
+    (void)v, (void)next;
     for (int r = 0; r < nq; r++)
         for (int j = 0; j < nk; j++) {
             float acc = 0.0f;
@@ -79,16 +82,18 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void score
     for (int r = 0; r < nq; r++) _mm256_storeu_ps(s + r * TILE, a[r]), _mm256_storeu_ps(s + r * TILE + 8, b[r]);
 }
 
-AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, float *s) {
+AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v,
+                             const uint16_t *next, float *s) {
     const size_t group = (size_t)hd * KEY_GROUP;
     int j = 0;
     for (; j + 16 <= nk; j += 16) {
         const uint16_t *k0 = kg + (j / KEY_GROUP) * group, *k1 = k0 + group;
         /* The matrix ops between two attention ops stream far more than the caches hold, so the KV cache
          * comes from memory: while these 16 keys are scored, fetch their values (accumulated next) and
-         * the same 16 keys of the next tile (once: prefill's further query blocks find them fetched).
-         * Prefetching past the context's end is harmless. */
-        const char *pv = (const char *)(v + (size_t)j * hd), *pk = (const char *)(k0 + TILE / KEY_GROUP * group);
+         * the same 16 keys of the next tile, or after the last tile the next chunk's first (once:
+         * prefill's further query blocks find them fetched). Prefetching past the context's end is
+         * harmless. */
+        const char *pv = (const char *)(v + (size_t)j * hd), *pk = (const char *)(next + (j / KEY_GROUP) * group);
         int r = 0;
         for (; r + 4 <= nq; r += 4, pv = pk = NULL) scores_16(q + r * hd, 4, hd, k0, k1, pv, pk, s + r * TILE + j);
         switch (nq - r) {
@@ -180,8 +185,8 @@ void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
 size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd); }
 
 void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float *scratch, float *o,
-                      float *m, float *l) {
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, const uint16_t *next_k,
+                      float *scratch, float *o, float *m, float *l) {
     const attn_kernels *k = kernels_for(hd);
     int nq = rows * group, last = pos0 + rows - 1 < key_hi - 1 ? pos0 + rows - 1 : key_hi - 1;
     if (first < key_lo) first = key_lo;
@@ -197,7 +202,8 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
     for (int j0 = first - first % KEY_GROUP; j0 <= last; j0 += TILE) {
         int nk = last - j0 + 1 < TILE ? last - j0 + 1 : TILE;
         int nk_groups = (nk + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
-        k->scores(qs, nq, hd, K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, nk_groups, V + (size_t)j0 * hd, s);
+        const uint16_t *kg = K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, *after = kg + (size_t)TILE * hd;
+        k->scores(qs, nq, hd, kg, nk_groups, V + (size_t)j0 * hd, j0 + TILE <= last || !next_k ? after : next_k, s);
         for (int i = 0; i < rows; i++) {
             int pos = pos0 + i, lo = window > 0 && pos - window + 1 > first ? pos - window + 1 : first;
             int hi = pos < last ? pos : last;

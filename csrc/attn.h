@@ -8,10 +8,11 @@
  * threads. q: row i, head g at q[i*q_stride + g*hd]; K: this head's keys (layout below), V: this head's
  * values, hd per position; keys first..pos are visible to position pos (and within `window` when it is
  * > 0). Query r = i*group + g gets its running max m[r], its sum of exponentials l[r] and its
- * unnormalized output o[r*hd ..] (zero and -inf when it sees no key of the part). */
+ * unnormalized output o[r*hd ..] (zero and -inf when it sees no key of the part). next_k (or NULL): the
+ * first keys of the part computed after this one, which the last tile prefetches. */
 void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float *scratch, float *o,
-                      float *m, float *l);
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, const uint16_t *next_k,
+                      float *scratch, float *o, float *m, float *l);
 
 /* One query's output from its parts' (o, m, l), in part order: out = sum_p o_p e^(m_p - m) / sum_p
  * l_p e^(m_p - m) with m the largest m_p (negated when `negate`, a debug switch). A single part is
