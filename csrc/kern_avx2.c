@@ -498,7 +498,7 @@ void kiln_quantize_act_avx2(kiln_wfmt f, const float *x, int ldx, int cols, int 
     size_t stride = kiln_act_stride(f, cols);
     for (int t = 0; t < n_tok; t++)
         for (int g = 0; g * KILN_GROUP < cols; g++) {
-            int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+            int nb = kiln_group_blocks(cols, g);
             quantize_group(x + (size_t)t * ldx + g * KILN_GROUP, nb, (uint8_t *)act + t * stride + (size_t)g * KILN_AG_BYTES, NULL);
         }
 }
@@ -506,7 +506,7 @@ void kiln_quantize_act_avx2(kiln_wfmt f, const float *x, int ldx, int cols, int 
 void kiln_quantize_act_pair_avx2(kiln_wfmt f, const float *x, int cols, void *first, void *second, float *residual) {
     (void)f; /* every integer format shares one activation layout */
     for (int g = 0; g * KILN_GROUP < cols; g++) {
-        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        int nb = kiln_group_blocks(cols, g);
         size_t at = (size_t)g * KILN_AG_BYTES;
         quantize_group(x + g * KILN_GROUP, nb, (uint8_t *)first + at, residual + g * KILN_GROUP);
         quantize_group(residual + g * KILN_GROUP, nb, (uint8_t *)second + at, NULL);

@@ -147,7 +147,7 @@ void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, i
         }
         for (int g = 0; g * KILN_GROUP < cols; g++) {
             uint8_t *ag = a + (size_t)g * KILN_AG_BYTES;
-            int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+            int nb = kiln_group_blocks(cols, g);
             if (nb < 8) memset(ag, 0, KILN_AG_BYTES);
             for (int j = 0; j < nb; j++) quantize_block(xr + g * KILN_GROUP + 32 * j, ag, nb, j);
             if (kiln_shared_tail(nb)) kiln_repeat_tail_lanes(ag);
@@ -160,7 +160,7 @@ void kiln_quantize_act_generic(kiln_wfmt f, const float *x, int ldx, int cols, i
 static void act_row_values(const uint8_t *act, int cols, float *x) {
     for (int g = 0; g * KILN_GROUP < cols; g++) {
         const uint8_t *ag = act + (size_t)g * KILN_AG_BYTES;
-        int nb = (cols - g * KILN_GROUP) / 32 < 8 ? (cols - g * KILN_GROUP) / 32 : 8;
+        int nb = kiln_group_blocks(cols, g);
         float d[8], *xg = x + g * KILN_GROUP;
         memcpy(d, ag + KILN_AG_D, sizeof(float) * nb);
         for (int j = 0; j < nb; j++)

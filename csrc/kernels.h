@@ -145,6 +145,12 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
 static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
 
+/* Blocks of 32 in group g of a row of `cols` (8, or fewer in a short last group). */
+static inline int kiln_group_blocks(int cols, int g) {
+    int left = (cols - g * KILN_GROUP) / 32;
+    return left < 8 ? left : 8;
+}
+
 /* A short group of 2 blocks is packed as a shared tail (see "Shared tail"). */
 static inline int kiln_shared_tail(int nb) { return nb == 2; }
 

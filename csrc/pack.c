@@ -9,20 +9,22 @@
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q8_0 = 8,
        GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30 };
 
+/* GGUF types and the kernel formats they pack into, one to one. */
+static const struct { int ggml; kiln_wfmt fmt; } FORMATS[] = {
+    {GGML_F32, WF_F32},   {GGML_F16, WF_F16},   {GGML_BF16, WF_BF16}, {GGML_Q4_0, WF_Q4S}, {GGML_Q4_1, WF_Q4},
+    {GGML_Q5_0, WF_Q5},   {GGML_Q8_0, WF_Q8},   {GGML_Q4_K, WF_Q4K},  {GGML_Q5_K, WF_Q5K}, {GGML_Q6_K, WF_Q6K},
+};
+
 int kiln_wfmt_for_ggml(int t) {
-    switch (t) {
-    case GGML_F32: return WF_F32;
-    case GGML_F16: return WF_F16;
-    case GGML_BF16: return WF_BF16;
-    case GGML_Q4_0: return WF_Q4S;
-    case GGML_Q4_1: return WF_Q4;
-    case GGML_Q5_0: return WF_Q5;
-    case GGML_Q8_0: return WF_Q8;
-    case GGML_Q4_K: return WF_Q4K;
-    case GGML_Q5_K: return WF_Q5K;
-    case GGML_Q6_K: return WF_Q6K;
-    default: return -1;
-    }
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+        if (FORMATS[i].ggml == t) return FORMATS[i].fmt;
+    return -1;
+}
+
+static int ggml_for_wfmt(kiln_wfmt f) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+        if (FORMATS[i].fmt == f) return FORMATS[i].ggml;
+    return -1;
 }
 
 /* GGUF bytes of one block and weights per block. */
@@ -107,7 +109,7 @@ static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uin
 /* Q4_0 / Q4_1 / Q5_0 / Q8_0: nb blocks of 32 starting at src. */
 static void pack_group32(kiln_wfmt f, const uint8_t *src, int nb, uint8_t *h, uint8_t *qd) {
     uint8_t q[256];
-    int bb = f == WF_Q4S ? 18 : f == WF_Q4 ? 20 : f == WF_Q5 ? 22 : 34;
+    int bb = ggml_block_bytes(ggml_for_wfmt(f));
     for (int j = 0; j < nb; j++) {
         const uint8_t *b = src + j * bb;
         wr16(h + 2 * j, rd16(b));
@@ -237,14 +239,6 @@ int kiln_pack(int t, const uint8_t *src, int rows, int cols, uint8_t *dst, kiln_
 
 /* ---- the inverse: one row of a packed matrix back to its GGUF bytes ---- */
 
-static int ggml_for_wfmt(kiln_wfmt f) {
-    static const int types[WF_COUNT] = {[WF_F32] = GGML_F32, [WF_F16] = GGML_F16, [WF_BF16] = GGML_BF16,
-                                        [WF_Q4] = GGML_Q4_1, [WF_Q4K] = GGML_Q4_K, [WF_Q5] = GGML_Q5_0,
-                                        [WF_Q5K] = GGML_Q5_K, [WF_Q8] = GGML_Q8_0, [WF_Q6K] = GGML_Q6_K,
-                                        [WF_Q4S] = GGML_Q4_0};
-    return f >= 0 && f < WF_COUNT ? types[f] : -1;
-}
-
 /* q[j*32 + i], the plain values of nb blocks, from quants in lane order (put_nibbles etc. undone). */
 static void get_values(kiln_wfmt f, const uint8_t *qd, int nb, uint8_t *q) {
     for (int j = 0; j < nb; j++)
@@ -263,7 +257,7 @@ static void get_values(kiln_wfmt f, const uint8_t *qd, int nb, uint8_t *q) {
 /* Blocks of 32: header h and quants qd of nb blocks -> GGUF blocks at dst (pack_group32 undone). */
 static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int nb, uint8_t *dst) {
     uint8_t q[256];
-    int bb = f == WF_Q4S ? 18 : f == WF_Q4 ? 20 : f == WF_Q5 ? 22 : 34;
+    int bb = ggml_block_bytes(ggml_for_wfmt(f));
     get_values(f, qd, nb, q);
     for (int j = 0; j < nb; j++) {
         uint8_t *b = dst + j * bb;
