@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "kiln.commands.run",
     "kiln.commands.models",
     "kiln.commands.serve",
+    "kiln.commands.ps",
     "kiln.bench.cli",
     "kiln.eval.cli",
     "kiln.commands.report",

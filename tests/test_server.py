@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import uuid
 
@@ -401,3 +403,22 @@ def test_keep_alive_zero_unloads_then_reloads(oll):
     assert loaded.done_reason == "load"
     (running,) = oll.ps().models
     assert running.expires_at.timestamp() > time.time() + 500
+
+
+def kiln_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_kiln_ps_and_stop(oll, server):
+    shown = kiln_cli("ps", "--url", server.url)
+    assert shown.returncode == 0, shown.stderr
+    header, row = shown.stdout.splitlines()
+    assert header.split()[:4] == ["NAME", "ID", "SIZE", "PROCESSOR"]
+    assert row.split()[0] == MODEL and f" {CTX} " in row and "/4 busy" in row and "from now" in row
+    stopped = kiln_cli("stop", "smollm2", "--url", server.url)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == f"stopped {MODEL}", stopped.stderr
+    assert not oll.ps().models
+    assert [line.split() for line in kiln_cli("ps", "--url", server.url).stdout.splitlines()] == [header.split()]
+    again = kiln_cli("stop", MODEL, "--url", server.url)
+    assert again.returncode == 1 and "no model is loaded" in again.stderr
+    assert oll.generate(model=MODEL, keep_alive="10m").done_reason == "load"  # as the other tests expect

@@ -258,6 +258,9 @@ class NativeEngine:
         self.gguf, self.config, self.n_ctx, self.n_slots = gguf, family.config, n_ctx, n_slots
         self.threads = threads or physical_cores()
         self.pool = _native.Pool(self.threads)
+        from kiln.native.kernels import active_isa
+
+        self.processor = f"CPU ({active_isa()}, {self.threads} thread{'s' if self.threads != 1 else ''})"
         root = family.forward(Recorder(), self.config)
         self.weights = PackedWeights(gguf, matrices_of(root), cache_dir)
         cfg = self.config

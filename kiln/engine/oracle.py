@@ -110,6 +110,7 @@ class OracleEngine:
     advances several slots by one token each."""
 
     name = "oracle"
+    processor = "CPU (numpy oracle)"
     pool = None  # no native threads: a step's rows are sampled on the calling thread
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32):

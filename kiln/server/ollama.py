@@ -227,9 +227,12 @@ async def ps(request: Request):
     else:
         expires = _FOREVER
     r = loaded.record
+    requests = runtime.stats()  # beyond Ollama's fields: what `kiln ps` shows of the slots' use
     return {"models": [{"name": r.tag, "model": r.tag, "size": r.size, "digest": r.sha256 or "",
                         "details": _details(r), "expires_at": expires, "size_vram": 0,
-                        "context_length": loaded.model.n_ctx}]}
+                        "context_length": loaded.model.n_ctx, "processor": loaded.model.engine.processor,
+                        "slots": runtime.settings.parallel, "running": requests["running"],
+                        "waiting": requests["waiting"]}]}
 
 
 @router.post("/pull", responses=_ERRORS, summary="Pull a catalog model (NDJSON progress unless stream is false)")
