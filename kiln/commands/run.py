@@ -8,7 +8,8 @@ import sys
 from kiln.errors import KilnError
 
 HELP = """Commands:
-  /set temperature|top_p|top_k|min_p|seed|num_predict|system VALUE
+  /set temperature|top_p|top_k|min_p|seed|num_predict|system|format VALUE
+  /set noformat   answer in free text again
   /show      model details        /verbose   toggle timing stats
   /clear     forget the chat      /bye       exit
   /?         this help"""
@@ -23,6 +24,9 @@ def register(sub) -> None:
     add_draft_args(p)
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--format", metavar="json|SCHEMA",
+                   help="answer in JSON: 'json' for any object, or a JSON schema the answer must match "
+                        "(inline, or a file holding it)")
     p.add_argument("--verbose", action="store_true", help="print timing stats after each answer")
     p.set_defaults(func=cmd_run)
 
@@ -72,6 +76,34 @@ def sampling_from_args(args, defaults: dict):
         repeat_penalty=args.repeat_penalty, seed=args.seed)
 
 
+ANY_JSON = "json"
+
+
+def output_format(value: str | None):
+    """--format's value: None (free text), ANY_JSON, or a JSON schema (a dict), given inline or as a file."""
+    import json
+    from pathlib import Path
+
+    from kiln.engine.grammar import json_grammar
+
+    if value is None or value == ANY_JSON:
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        if value.lstrip()[:1] in ("{", "["):
+            raise KilnError(f"--format: {value!r} is not valid JSON ({e})") from None
+        try:  # a file holding the schema
+            schema = json.loads(Path(value).read_text())
+        except OSError as e:
+            raise KilnError(f"--format: expected json, a JSON schema or a file holding one; cannot read {value!r} "
+                            f"({e.strerror})") from None
+        except ValueError as e:
+            raise KilnError(f"--format: {value} does not hold valid JSON ({e})") from None
+    json_grammar(schema, "--format")  # an unusable schema fails here, before the model loads
+    return schema
+
+
 class Chat:
     """A conversation on one KV slot; each turn reuses the KV of the prefix it shares with the last."""
 
@@ -83,6 +115,7 @@ class Chat:
         self.messages: list[dict] = []
         self.slot_tokens: list[int] = []
         self.verbose = False
+        self.format = None  # None, ANY_JSON or a JSON schema: what the answer must be
 
     def clear(self) -> None:
         self.messages, self.slot_tokens = [], []
@@ -96,6 +129,7 @@ class Chat:
 
     def ask(self, text: str, out=None) -> None:
         from kiln.engine.generate import common_prefix, generate
+        from kiln.engine.grammar import Constraint, json_grammar
         from kiln.engine.sequence import Sequence, plan_budget
         from kiln.engine.speculative import speculation
 
@@ -103,7 +137,11 @@ class Chat:
         m = self.model
         ids = self.prompt_ids(text)
         budget = plan_budget(len(ids), self.num_predict, m.n_ctx)
-        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids,
+        constraint = None
+        if self.format is not None:
+            schema = None if self.format == ANY_JSON else self.format
+            constraint = Constraint(m.tokenizer, json_grammar(schema, "--format"), "--format")
+        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids, constraint=constraint,
                        speculation=speculation(self.spec, self.drafter, "--draft"))
         cached = common_prefix(self.slot_tokens, ids)
         self.slot_tokens = []  # until the answer completes, the slot's contents are unknown
@@ -145,6 +183,7 @@ def cmd_run(args) -> int:
     if not prompt and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     spec = spec_from_args(args)
+    answer_format = output_format(args.format)
     model = load(args.model or DEFAULT_MODEL, backend=args.backend, n_ctx=args.ctx_len, threads=args.threads)
     drafter = None
     if spec.mode == "model":
@@ -155,6 +194,7 @@ def cmd_run(args) -> int:
     chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, args.system, args.raw, spec,
                 drafter)
     chat.verbose = args.verbose
+    chat.format = answer_format
     if prompt:
         chat.ask(prompt)
         return 0
@@ -204,6 +244,9 @@ def slash_command(chat: Chat, line: str) -> bool:
         show_model(chat)
     elif cmd == "/set" and len(words) == 3:
         set_option(chat, words[1], words[2])
+    elif cmd == "/set" and words[1:] == ["noformat"]:
+        chat.format = None
+        print("Answers are free text again.", file=sys.stderr)
     elif cmd in ("/?", "/help"):
         print(HELP, file=sys.stderr)
     else:
@@ -221,6 +264,8 @@ def set_option(chat: Chat, name: str, value: str) -> None:
             chat.params = chat.params.replace(**{name: float(value)})
         elif name in ("top_k", "seed"):
             chat.params = chat.params.replace(**{name: int(value)})
+        elif name == "format":
+            chat.format = output_format(value)
         else:
             print(f"Unknown option {name!r}. /? for help.", file=sys.stderr)
             return
@@ -237,6 +282,7 @@ def show_model(chat: Chat) -> None:
         f"{c.n_heads} heads ({c.n_kv_heads} kv), vocab {c.vocab_size}\n"
         f"context:      {m.n_ctx} of {c.context_length}\nbackend:      {m.engine.name}\n"
         f"sampling:     temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}, min_p {p.min_p}, "
-        f"repeat_penalty {p.repeat_penalty}, seed {p.seed}\nnum_predict:  {chat.num_predict}",
+        f"repeat_penalty {p.repeat_penalty}, seed {p.seed}\nnum_predict:  {chat.num_predict}\n"
+        f"format:       {'free text' if chat.format is None else 'JSON' if chat.format == ANY_JSON else 'JSON schema'}",
         file=sys.stderr,
     )

@@ -62,9 +62,13 @@ def json_grammar(schema: dict | None, param: str) -> str:
     if schema is not None and not isinstance(schema, dict):
         raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_OPTIONS)
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise RequestError(f"{param}: not a usable JSON schema ({e})", param) from None
+    error = llg.LLMatcher.validate_grammar(grammar)  # without a tokenizer: reported before any model is needed
+    if error:
+        raise RequestError(f"{param}: the schema cannot be enforced: {error}", param)
+    return grammar
 
 
 def tagged_json_grammar(open_tag: str, schema: dict, close_tag: str) -> str:
