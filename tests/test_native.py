@@ -71,6 +71,10 @@ def test_mixed_batch_of_slots_matches_oracle(tmp_path):
     got = native.step(tokens, slots, positions, out_rows)
     want = oracle.step(tokens, slots, positions, out_rows)
     assert rel_err(got, want) < 1e-4
+    # the output head's input for the same rows, in order: what embeddings are made of
+    hidden = native.hidden(len(out_rows))
+    assert hidden.shape == (3, native.config.dim) and rel_err(hidden, oracle.hidden(len(out_rows))) < 1e-4
+    assert rel_err(native.hidden(2), hidden[:2]) == 0
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0])

@@ -422,3 +422,60 @@ def test_kiln_ps_and_stop(oll, server):
     again = kiln_cli("stop", MODEL, "--url", server.url)
     assert again.returncode == 1 and "no model is loaded" in again.stderr
     assert oll.generate(model=MODEL, keep_alive="10m").done_reason == "load"  # as the other tests expect
+
+
+EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock markets fell sharply today."]
+
+
+def test_embeddings_with_the_official_clients(oai, oll, server, smollm2_path):
+    import numpy as np
+
+    from kiln.engine.model import load
+
+    r = oai.embeddings.create(model=MODEL, input=EMBED_TEXTS)  # the SDK asks for base64 and decodes it
+    vectors = np.array([d.embedding for d in r.data])
+    assert [d.index for d in r.data] == [0, 1, 2] and vectors.shape == (3, 576) and r.model == MODEL
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    # each is its text's last final hidden state (the output head's input), normalized
+    model = load(str(smollm2_path), n_ctx=CTX, progress=False)
+    try:
+        for text, vector in zip(EMBED_TEXTS, vectors):
+            ids = model.tokenizer.encode(text)
+            model.engine.step(ids, [0] * len(ids), range(len(ids)), [len(ids) - 1])
+            hidden = model.engine.hidden(1)[0]
+            assert np.allclose(vector, hidden / np.linalg.norm(hidden), atol=1e-5)
+    finally:
+        model.close()
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(model.tokenizer.encode(t)) for t in EMBED_TEXTS)
+    _, same, other = vectors @ vectors[0]
+    assert same > other  # two wordings of one sentence are closer than an unrelated one
+
+    floats = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": EMBED_TEXTS[0],
+                                                               "encoding_format": "float"}).json()
+    assert np.allclose(floats["data"][0]["embedding"], vectors[0], atol=1e-6)
+    cut = oai.embeddings.create(model=MODEL, input=EMBED_TEXTS[0], dimensions=64).data[0].embedding
+    assert np.allclose(cut, vectors[0][:64] / np.linalg.norm(vectors[0][:64]), atol=1e-5)
+
+    ollama_vectors = oll.embed(model=MODEL, input=EMBED_TEXTS).embeddings
+    assert np.allclose(ollama_vectors, vectors, atol=1e-5)
+    many = oll.embed(model=MODEL, input=EMBED_TEXTS * 7).embeddings  # more inputs than slots + queue (4 + 8)
+    assert np.allclose(many, np.tile(vectors, (7, 1)), atol=1e-5)
+    legacy = np.array(oll.embeddings(model=MODEL, prompt=EMBED_TEXTS[0]).embedding)  # the older API: not normalized
+    assert np.linalg.norm(legacy) > 2 and np.allclose(legacy / np.linalg.norm(legacy), vectors[0], atol=1e-5)
+
+
+def test_bad_embedding_requests_name_the_field(server):
+    def post(path, body):
+        r = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    long_text = "word " * (CTX + 50)
+    error = post("/v1/embeddings", {"input": ["fine", long_text]})
+    assert error["param"] == "input[1]" and error["code"] == "context_length_exceeded" and "truncate" in error["message"]
+    assert post("/v1/embeddings", {"input": []})["param"] == "input"
+    assert post("/v1/embeddings", {"input": "x", "dimensions": 100000})["param"] == "dimensions"
+    assert post("/v1/embeddings", {"input": [[1, 2], [10 ** 9]]})["param"] == "input[1]"
+    assert "input" in post("/api/embed", {"input": 42})  # Ollama's errors are a message alone
+    assert "context" in post("/api/embed", {"input": long_text})
+    assert server.metric("kiln_requests_running") == 0  # nothing left behind by the rejected ones

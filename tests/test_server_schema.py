@@ -13,7 +13,8 @@ from tests.serving import kiln_server
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2:135m"
-GENERATION = {"/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show"}
+GENERATION = {"/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show", "/v1/embeddings",
+              "/api/embed", "/api/embeddings"}
 EXAMPLES = 15  # per operation and mode: about a minute in all on two cores
 
 

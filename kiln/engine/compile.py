@@ -85,6 +85,7 @@ class Lowering:
         self.consumers: dict[Node, set[int]] = {}  # node → weight formats that read it
         self.scratch_floats = 1
         self.logits: Buf | None = None
+        self.hidden: Buf | None = None  # the final norm's output for the rows with logits (embeddings)
         # Inputs whose int8 quantization costs the most accuracy (those of the q/k/v projections, of the
         # down projection after the GLU, and of the output head) get precise two-row activations:
         # see csrc/plan.c.
@@ -323,8 +324,9 @@ class Lowering:
         act = Buf(self.n.act_size(fmt, width, 2 * self.out_rows))
         fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act, "precise": 1}
         self._quant_scratch(width, [fmt], True)
+        self.hidden = self._floats(width, self.out_rows)
         self._emit(kind=self.n.OP_NORM_QUANT, op_class=3, **fields, select_rows=1, in_=self.value(x.inputs[0]),
-                   out=self._floats(width, self.out_rows), norm_w=self.weights.vector(x.params["weight"]),
+                   out=self.hidden, norm_w=self.weights.vector(x.params["weight"]),
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)

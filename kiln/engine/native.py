@@ -230,7 +230,7 @@ class NativePlan:
                        e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
-        size = assign_offsets(low.ops, [low.logits, *inputs.values()], reuse=not keep_all)
+        size = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all)
         self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size, huge=False)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
@@ -240,6 +240,7 @@ class NativePlan:
         self.ops = low.ops
         self.rows, self.out_rows = rows, out_rows
         dim = e.config.dim
+        self.hidden = whole[low.hidden.offset : low.hidden.offset + low.hidden.nbytes].view(np.float32).reshape(-1, dim)
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
         self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
@@ -340,7 +341,13 @@ class NativeEngine:
         inp["row_sel"][:n_out] = out_rows
         native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
+        self._last_plan = plan
         return plan.logits[:n_out].copy()
+
+    def hidden(self, n_out: int) -> np.ndarray:
+        """The last step's final hidden states (the output head's normalized input) of its first `n_out`
+        rows with logits: what an embedding is made of."""
+        return self._last_plan.hidden[:n_out].copy()
 
     def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
         tokens = list(tokens)

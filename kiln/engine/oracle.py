@@ -69,6 +69,7 @@ class NumpyOps:
         self.e, self.tokens, self.slot, self.all_logits = engine, tokens, slot, all_logits
         self.positions = np.arange(start, start + len(tokens))
         self.hidden: list[np.ndarray] = []  # residual stream after each layer, for diagnosis
+        self.final: np.ndarray | None = None  # the rows given to the output head (normalized)
 
     def embed(self, table, scale=1.0):
         return self.e.weight(table)[self.tokens] * np.float32(scale)
@@ -102,6 +103,7 @@ class NumpyOps:
 
     def logits(self, x, weight):
         rows = x if self.all_logits else x[-1:]
+        self.final = rows
         return self.linear(rows, weight)
 
 
@@ -124,6 +126,8 @@ class OracleEngine:
         self._inv_freq: dict[Rope, np.ndarray] = {}
         self.negate_layer: int | None = None  # debug: flip one layer's attention output
         self.last_hidden: list[np.ndarray] = []
+        self.last_final: np.ndarray | None = None
+        self._step_hidden = np.zeros((0, self.config.dim), np.float32)
 
     def weight(self, name: str) -> np.ndarray:
         w = self._weights.get(name)
@@ -142,7 +146,7 @@ class OracleEngine:
         check_span(start, len(tokens), self.n_ctx)
         ops = NumpyOps(self, tokens, slot, start, all_logits)
         logits = self.forward_fn(ops, self.config)
-        self.last_hidden = ops.hidden
+        self.last_hidden, self.last_final = ops.hidden, ops.final
         return logits if all_logits else logits[0]
 
     def decode(self, tokens, slots, positions) -> np.ndarray:
@@ -151,14 +155,23 @@ class OracleEngine:
     def step(self, tokens, slots, positions, out_rows) -> np.ndarray:
         """Any mix of rows (the scheduler's batch): runs of one slot at consecutive positions go
         through one forward pass each. Returns logits for `out_rows`, in order."""
-        logits, start = {}, 0
+        logits, hidden, start = {}, {}, 0
         for end in range(1, len(tokens) + 1):
             if end < len(tokens) and slots[end] == slots[start] and positions[end] == positions[end - 1] + 1:
                 continue
             span = self.forward(tokens[start:end], int(slots[start]), int(positions[start]), all_logits=True)
             logits.update({start + i: row for i, row in enumerate(span)})
+            hidden.update({start + i: row for i, row in enumerate(self.last_final)})
             start = end
-        return np.stack([logits[r] for r in out_rows]) if len(out_rows) else np.zeros((0, self.config.vocab_size))
+        if not len(out_rows):
+            self._step_hidden = np.zeros((0, self.config.dim), np.float32)
+            return np.zeros((0, self.config.vocab_size))
+        self._step_hidden = np.stack([hidden[r] for r in out_rows])
+        return np.stack([logits[r] for r in out_rows])
+
+    def hidden(self, n_out: int) -> np.ndarray:
+        """The last step's final hidden states of its first `n_out` rows with logits (see NativeEngine)."""
+        return self._step_hidden[:n_out].copy()
 
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose (its attention output changes sign), to show accuracy checks fail."""

@@ -10,6 +10,7 @@ schedule → run → postprocess.
 - postprocess: sample the rows that return logits (a speculating sequence takes the draft tokens the
   target accepts, then one of its own), retire finished sequences and remember what their slots now
   hold; then hand the step's events (released text token by token, the ends) to the requests' sinks.
+  An embedding request is a prompt alone: at its last row it gets the final hidden state and retires.
 
 Prompt cache: every slot remembers the tokens its KV holds. A new request takes the free slot whose
 tokens share the longest prefix with its prompt (chat clients and agents resend their history) and
@@ -55,6 +56,11 @@ class Token:
 
 
 @dataclass
+class Embedded:
+    vector: np.ndarray  # the prompt's last final hidden state (the output head's normalized input)
+
+
+@dataclass
 class Finished:
     error: str | None = None  # why the request failed; None when it ended normally or was cancelled
 
@@ -62,7 +68,8 @@ class Finished:
 @dataclass(eq=False)
 class Request:
     seq: Sequence
-    sink: Callable[[Token | Finished], None]  # called on the engine thread; must not block
+    sink: Callable[[Token | Embedded | Finished], None]  # called on the engine thread; must not block
+    embed: bool = False  # wants the prompt's final hidden state, not generated tokens
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     fed: int = 0  # how many of seq.all_ids have their KV in the slot
@@ -120,7 +127,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._turns = 0
-        self._outbox: list[tuple[Request, Token | Finished]] | None = None  # events held during postprocess
+        self._outbox: list[tuple[Request, Token | Embedded | Finished]] | None = None  # events held during postprocess
         self._cv = threading.Condition()  # guards waiting, running and free; wakes the idle loop
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
@@ -244,7 +251,7 @@ class Scheduler:
             for req, event in outbox:
                 req.sink(event)
 
-    def _send(self, req: Request, event: Token | Finished) -> None:
+    def _send(self, req: Request, event: Token | Embedded | Finished) -> None:
         if self._outbox is not None:
             self._outbox.append((req, event))
         else:
@@ -256,8 +263,15 @@ class Scheduler:
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
         spans = batch.out_spans()
+        hidden = self.engine.hidden(len(batch.out_rows)) if any(req.embed for req, *_ in spans) else None
         for (req, draft, start, n), own in zip(spans, self._sample_single_rows(spans, logits)):
             seq = req.seq
+            if req.embed:
+                seq.timings.prefill_ms = (time.perf_counter() - seq.started) * 1e3
+                self._send(req, Embedded(hidden[start]))
+                with self._cv:
+                    self._retire(req, "stop")
+                continue
             rows = logits[start : start + n]
             try:
                 if draft is None:  # a prompt's last row: the first token
@@ -290,7 +304,7 @@ class Scheduler:
         one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
         jobs, where = [], []
         for i, (req, _, start, n) in enumerate(spans):
-            if n == 1 and req.seq.constraint is None:
+            if n == 1 and req.seq.constraint is None and not req.embed:
                 jobs.append((req.seq.sampler, start, req.seq.all_ids))
                 where.append(i)
         tokens: list[int | None] = [None] * len(spans)

@@ -141,6 +141,22 @@ class ModelRequest(_Model):
         return self.model or self.name
 
 
+class EmbedRequest(_Model):
+    model: str = Field(description="an installed model tag, e.g. smollm2:135m")
+    input: str | list[str] = Field(description="a text, or a list of texts")
+    truncate: bool = Field(True, description="kiln never truncates: an input longer than the context is an error")
+    options: Options | None = Field(None, description="not used for embeddings")
+    keep_alive: float | str | None = None
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalized again)")
+
+
+class LegacyEmbeddingsRequest(_Model):
+    model: str
+    prompt: str = Field("", description="empty: just load the model")
+    options: Options | None = Field(None, description="not used for embeddings")
+    keep_alive: float | str | None = None
+
+
 class PullRequest(ModelRequest):
     insecure: bool = False
     stream: bool = True
@@ -185,6 +201,32 @@ async def generate(body: GenerateRequest, request: Request):
     if final.error:
         raise KilnError(final.error)
     return {**_head(tag), "response": final.text, **_done(final), "context": final.seq.all_ids, **_logprobs(logprobs)}
+
+
+@router.post("/embed", responses=_ERRORS, summary="Embeddings: each input's last final hidden state, normalized")
+async def embed(body: EmbedRequest, request: Request):
+    from kiln.server.runtime import unit_vectors
+
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    if not inputs:
+        raise RequestError("input is empty", "input")
+    keep_alive = DEFAULT if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+    result = await _runtime(request).embed(body.model, inputs, keep_alive, "input")
+    vectors = unit_vectors(result.vectors, body.dimensions)
+    return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
+            "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
+            "prompt_eval_count": result.prompt_tokens}
+
+
+@router.post("/embeddings", responses=_ERRORS, summary="Embedding of one prompt, not normalized (older API)")
+async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
+    runtime = _runtime(request)
+    keep_alive = DEFAULT if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+    if not body.prompt:
+        await runtime.preload(body.model, keep_alive)
+        return {"embedding": []}
+    result = await runtime.embed(body.model, [body.prompt], keep_alive, "prompt")
+    return {"embedding": result.vectors[0].astype(float).tolist()}
 
 
 @router.get("/tags", responses={401: _ERRORS[401]}, summary="Installed models")

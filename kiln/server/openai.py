@@ -213,6 +213,33 @@ async def completions(body: CompletionRequest, request: Request):
     return {**meta, "object": "text_completion", "choices": [choice], "usage": usage(final), "timings": timings(final)}
 
 
+class EmbeddingRequest(_Model):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a list of texts, token ids, or a list of token id lists")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalized again)")
+
+
+@router.post("/embeddings", responses=_ERRORS, summary="Embeddings: each input's last final hidden state, normalized")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    import base64
+
+    from kiln.server.runtime import unit_vectors
+
+    raw = body.input
+    inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not inputs:
+        raise RequestError("input is empty", "input")
+    result = await _runtime(request).embed(body.model, inputs, param="input")
+    data = []
+    for i, v in enumerate(unit_vectors(result.vectors, body.dimensions)):
+        vector = base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    return {"object": "list", "data": data, "model": result.tag,
+            "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+
 @router.get("/models", responses={401: _ERRORS[401]}, summary="Installed models")
 async def list_models(request: Request):
     runtime = _runtime(request)
