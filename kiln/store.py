@@ -77,6 +77,17 @@ class ModelRecord:
     original_path: str | None = None
     details: dict = field(default_factory=dict)  # family, parameters, quantization, context_length, labels
     problem: str | None = None  # why an installed model is unusable (bad manifest, missing blob)
+    # a created model's (kiln create / a Modelfile): its system message, sampling defaults and stop strings
+    system: str | None = None
+    parameters: dict = field(default_factory=dict)
+    license: str | None = None
+
+    def effective_parameters(self) -> dict:
+        """The catalog's sampling defaults for these weights, then the model's own PARAMETERs (and stop)."""
+        return {**(dict(self.catalog.defaults) if self.catalog else {}), **self.parameters}
+
+    def sampling_defaults(self) -> dict:
+        return {k: v for k, v in self.effective_parameters().items() if k != "stop"}
 
 
 def load_catalog(path: Path) -> tuple[dict[str, CatalogEntry], dict[str, str]]:
@@ -339,7 +350,49 @@ class Store:
             self._drop_blob_if_unused(record.sha256)
         return record
 
+    def create(self, name: str, recipe, progress: bool = True, source: str | None = None) -> ModelRecord:
+        """A new tag (replacing one of that name) over the weights of `recipe.base` (a tag, pulled if need
+        be, or a .gguf file, imported), with the base's system message and parameters overridden by the
+        recipe's (a kiln.modelfile.Recipe)."""
+        tag = self._own_tag(name)
+        manifest = self._manifest_path(tag)
+        previous = self._record_from_manifest(tag, manifest) if manifest.is_file() else None
+        if looks_like_path(recipe.base):
+            base = self._import(Path(recipe.base), tag, force=True, progress=progress)
+        else:
+            base = self.ensure(recipe.base, progress=progress)
+            if base.sha256 is None:
+                raise StoreError(f"{recipe.base} is not an installed model")
+        parameters = {**base.effective_parameters(), **recipe.parameters}
+        fields = {"sha256": base.sha256, "size": base.size, "details": base.details,
+                  "source": source or f"created from {recipe.base}",
+                  "system": recipe.system if recipe.system is not None else base.system,
+                  "parameters": parameters, "license": recipe.license or base.license}
+        if base.original_path:
+            fields["original_path"] = base.original_path
+        with self._pull_dir() as tmp:
+            record = self._write_manifest(tmp, tag, fields)
+        if previous and previous.sha256 and previous.sha256 != record.sha256:
+            self._drop_blob_if_unused(previous.sha256)
+        return record
+
+    def copy(self, source: str, destination: str) -> ModelRecord:
+        """`destination` as a second tag of `source`'s weights, system message and parameters."""
+        from kiln.modelfile import Recipe
+
+        base = self._installed_record(source)
+        if base.problem:
+            raise StoreError(f"model {base.tag} is damaged: {base.problem}")
+        return self.create(destination, Recipe(base.tag), progress=False, source=f"copy of {base.tag}")
+
     # --- internals -------------------------------------------------------------------------------
+    def _own_tag(self, name: str) -> str:
+        """A tag a user may write: canonical, and not one of the catalog's (a pull would overwrite it)."""
+        tag = _canonical_tag(name, StoreError)
+        if tag in self._catalog or tag in self._aliases:
+            raise StoreError(f"{tag} is a catalog tag; choose another name")
+        return tag
+
     def _lookup(self, name: str) -> str:
         """`name` as a canonical tag, through the catalog's aliases (imports never take an alias's tag)."""
         tag = _canonical_tag(name, ModelNotFoundError)
@@ -390,7 +443,11 @@ class Store:
         details = data.get("details") if isinstance(data.get("details"), dict) else {}
         details = details or (entry.details() if entry else {})
         source, pulled_at, original = str(data.get("source", "")), data.get("pulled_at"), data.get("original_path")
-        return ModelRecord(tag, blob, sha256, size, entry, source, pulled_at, original, details, problem)
+        own = {key: data.get(key) for key in ("system", "license")}
+        own = {k: v if isinstance(v, str) else None for k, v in own.items()}
+        parameters = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+        return ModelRecord(tag, blob, sha256, size, entry, source, pulled_at, original, details, problem,
+                           parameters=parameters, **own)
 
     def _path_record(self, path: Path) -> ModelRecord:
         if not path.is_file():

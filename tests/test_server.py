@@ -479,3 +479,26 @@ def test_bad_embedding_requests_name_the_field(server):
     assert "input" in post("/api/embed", {"input": 42})  # Ollama's errors are a message alone
     assert "context" in post("/api/embed", {"input": long_text})
     assert server.metric("kiln_requests_running") == 0  # nothing left behind by the rejected ones
+
+
+def test_create_copy_show_and_chat_with_a_created_model(oll):
+    system = "You are a terse assistant."
+    created = oll.create(model="kiln-terse", from_=MODEL, system=system, parameters={"temperature": 0, "stop": ["\n\n"]})
+    assert created.status == "success"
+    shown = oll.show("kiln-terse")
+    lines = shown.parameters.splitlines()  # the catalog's defaults for the weights, then the model's own
+    assert "temperature 0.0" in lines and lines[-1] == r'stop "\n\n"'
+    assert f'SYSTEM """{system}"""' in shown.modelfile and shown.details.family == "llama"
+    assert oll.copy("kiln-terse", "kiln-terse2").status == "success"
+    assert {"kiln-terse:latest", "kiln-terse2:latest"} <= {m.model for m in oll.list().models}
+    # the created model's chats get its system message
+    mine = oll.chat(model="kiln-terse2", messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 1})
+    explicit = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    base = oll.chat(model=MODEL, messages=explicit, options={"num_predict": 1})
+    assert mine.prompt_eval_count == base.prompt_eval_count
+    with pytest.raises(ollama.ResponseError) as bad:
+        oll.create(model="kiln-bad", from_=MODEL, parameters={"mirostat": 1})
+    assert bad.value.status_code == 400 and "mirostat" in str(bad.value)
+    for tag in ("kiln-terse", "kiln-terse2"):
+        assert oll.delete(tag).status == "success"
+    assert MODEL in {m.model for m in oll.list().models}

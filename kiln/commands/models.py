@@ -1,4 +1,4 @@
-"""Model management: `kiln pull`, `list`, `rm`, `show` and `check`."""
+"""Model management: `kiln pull`, `list`, `rm`, `show`, `check`, `create` and `cp`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,24 @@ def register(subparsers) -> None:
     p.add_argument("model", metavar="TAG|PATH")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--template", action="store_true", help="print the whole chat template")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--modelfile", action="store_true", help="print a Modelfile that recreates the model")
+    only.add_argument("--system", action="store_true", help="print the model's system message")
+    only.add_argument("--parameters", action="store_true", help="print the model's sampling defaults and stop strings")
+    only.add_argument("--license", action="store_true", help="print the model's license")
     p.set_defaults(func=cmd_show)
+
+    p = subparsers.add_parser("create", help="make a model with its own system message and defaults (a Modelfile)",
+                              description="Create NAME from a Modelfile: FROM a tag or a .gguf file, SYSTEM, "
+                                          "PARAMETER (sampling values, stop), LICENSE. The weights are shared.")
+    p.add_argument("model", metavar="NAME")
+    p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    p.set_defaults(func=cmd_create)
+
+    p = subparsers.add_parser("cp", help="copy a model to another tag (the weights are shared)")
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("destination", metavar="DESTINATION")
+    p.set_defaults(func=cmd_cp)
 
     p = subparsers.add_parser("check", help="re-verify the sha256 of installed models")
     p.add_argument("model", metavar="TAG", nargs="?", help="one model (default: all installed)")
@@ -144,6 +161,9 @@ def describe(record) -> dict:
             **memory,
             "labels": record.details.get("labels", []),
             "chat_template": template,
+            "system": record.system,
+            "defaults": record.effective_parameters(),
+            "license": record.license,
             "source": record.source,
         }
     finally:
@@ -182,10 +202,58 @@ def _uniform(values: list[int]):
     return values[0] if values and len(set(values)) == 1 else values or None
 
 
+def cmd_create(args) -> int:
+    from pathlib import Path
+
+    from kiln.errors import KilnError
+    from kiln.modelfile import parse
+    from kiln.store import Store
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise KilnError(f"cannot read the Modelfile {args.file}: {e.strerror}") from None
+    recipe = parse(text, args.file)
+    if recipe.ignored:
+        print(f"ignored (set by kiln run and kiln serve options instead): {', '.join(recipe.ignored)}", file=sys.stderr)
+    record = Store().create(args.model, recipe, progress=True)
+    print(f"created {record.tag} from {recipe.base}")
+    return 0
+
+
+def cmd_cp(args) -> int:
+    from kiln.store import Store
+
+    record = Store().copy(args.source, args.destination)
+    print(f"copied {args.source} to {record.tag}")
+    return 0
+
+
+def modelfile_of(record) -> str:
+    from kiln.modelfile import render
+
+    return render(record.tag if record.sha256 else str(record.path), record.system, record.effective_parameters(),
+                  record.license)
+
+
 def cmd_show(args) -> int:
     from kiln.store import Store
 
-    info = describe(Store().resolve(args.model))
+    record = Store().resolve(args.model)
+    if args.modelfile:
+        print(modelfile_of(record), end="")
+        return 0
+    if args.system or args.license:
+        text = record.system if args.system else record.license
+        if text:
+            print(text)
+        return 0
+    if args.parameters:
+        for name, value in record.effective_parameters().items():
+            for v in value if name == "stop" else [value]:
+                print(f"{name:<16} {json.dumps(v) if name == 'stop' else v}")
+        return 0
+    info = describe(record)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -214,6 +282,10 @@ def cmd_show(args) -> int:
         ("footprint", footprint),
         ("labels", ", ".join(info["labels"]) or "-"),
     ]
+    if record.system is not None:
+        fields.append(("system", record.system if len(record.system) <= 60 else record.system[:57] + "..."))
+    if record.effective_parameters():
+        fields.append(("defaults", ", ".join(f"{k} {v}" for k, v in record.effective_parameters().items())))
     for key, value in fields:
         print(f"  {key:<13} {value}")
     template = info["chat_template"]

@@ -141,8 +141,8 @@ class Chat:
         if self.format is not None:
             schema = None if self.format == ANY_JSON else self.format
             constraint = Constraint(m.tokenizer, json_grammar(schema, "--format"), "--format")
-        seq = Sequence(ids, self.params, m.tokenizer, budget, stop_ids=m.tokenizer.stop_ids, constraint=constraint,
-                       speculation=speculation(self.spec, self.drafter, "--draft"))
+        seq = Sequence(ids, self.params, m.tokenizer, budget, stop=list(m.stop), stop_ids=m.tokenizer.stop_ids,
+                       constraint=constraint, speculation=speculation(self.spec, self.drafter, "--draft"))
         cached = common_prefix(self.slot_tokens, ids)
         self.slot_tokens = []  # until the answer completes, the slot's contents are unknown
         for piece in generate(m.engine, seq, cached=cached):
@@ -191,8 +191,8 @@ def cmd_run(args) -> int:
 
         draft = load(args.draft_model, backend=args.backend, n_ctx=model.n_ctx, threads=args.threads)
         drafter = ModelDrafter(draft, model)
-    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, args.system, args.raw, spec,
-                drafter)
+    system = args.system if args.system is not None else model.system
+    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, system, args.raw, spec, drafter)
     chat.verbose = args.verbose
     chat.format = answer_format
     if prompt:

@@ -29,7 +29,9 @@ class Model:
     n_ctx: int
     load_ms: float
     cache_dir: Path | None = None
-    defaults: dict = field(default_factory=dict)  # the catalog's sampling defaults for this model
+    defaults: dict = field(default_factory=dict)  # sampling defaults: the catalog's, then the model's own
+    system: str | None = None  # a created model's system message, used when a chat brings none
+    stop: list[str] = field(default_factory=list)  # a created model's stop strings, used when a request has none
 
     def close(self) -> None:
         self.engine.close()
@@ -57,9 +59,8 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
     engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir)
     release_free_heap()
     load_ms = (time.perf_counter() - t0) * 1e3
-    defaults = dict(record.catalog.defaults) if record.catalog else {}
     return Model(record.tag, Path(record.path), record.sha256, gguf, cfg, tokenizer, engine, n_ctx, load_ms,
-                 cache_dir, defaults)
+                 cache_dir, record.sampling_defaults(), record.system, list(record.parameters.get("stop", [])))
 
 
 def release_free_heap() -> None:

@@ -157,6 +157,29 @@ class LegacyEmbeddingsRequest(_Model):
     keep_alive: float | str | None = None
 
 
+class CreateRequest(_Model):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = Field(None, description="the new model's name")
+    name: str | None = Field(None, description="older clients' spelling of `model`")
+    from_: str | None = Field(None, alias="from", description="the installed model (a tag) to build on")
+    modelfile: str | None = Field(None, description="older clients: a Modelfile's text, instead of the fields")
+    system: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="sampling defaults and stop strings")
+    license: str | list[str] | None = None
+    template: str | None = Field(None, description="not supported: the model's own chat template is used")
+    adapters: dict[str, str] | None = Field(None, description="not supported: kiln does not apply LoRA adapters")
+    files: dict[str, str] | None = Field(None, description="not supported: import GGUF files with `kiln pull FILE`")
+    messages: list[dict[str, Any]] | None = Field(None, description="not supported: kiln does not store messages")
+    quantize: str | None = Field(None, description="not supported: kiln runs the file's own quantization")
+    stream: bool = True
+
+
+class CopyRequest(_Model):
+    source: str
+    destination: str
+
+
 class PullRequest(ModelRequest):
     insecure: bool = False
     stream: bool = True
@@ -234,25 +257,75 @@ async def tags(request: Request):
     return {"models": [_listing(r) for r in await _runtime(request).installed()]}
 
 
+@router.post("/create", responses=_ERRORS, summary="Create a model from another, with its own system message and defaults")
+async def create(body: CreateRequest, request: Request):
+    from kiln.modelfile import Recipe, check_parameters, parse
+    from kiln.store import looks_like_path
+
+    runtime = _runtime(request)
+    tag = body.model or body.name
+    if not tag:
+        raise RequestError("model is required: the new model's name", "model")
+    for field in ("template", "adapters", "files", "messages", "quantize"):
+        if getattr(body, field):
+            raise RequestError(f"{field}: {CreateRequest.model_fields[field].description}", field)
+    try:
+        if body.modelfile is not None:
+            recipe = parse(body.modelfile, "modelfile")
+        elif body.from_:
+            parameters, _ = check_parameters(body.parameters or {}, "parameters")
+            license_ = "\n".join(body.license) if isinstance(body.license, list) else body.license
+            recipe = Recipe(body.from_, body.system, parameters, license_)
+        else:
+            raise RequestError("from is required: the installed model to build on", "from")
+        if looks_like_path(recipe.base):  # clients may not open files on the server's disk
+            raise RequestError(f"{recipe.base!r}: build on an installed model's tag, not a file path", "from")
+        async with runtime.pull_lock:  # creating may pull the base
+            record = await asyncio.to_thread(runtime.store.create, tag, recipe, False)
+    except StoreError as e:
+        raise RequestError(str(e), "modelfile" if body.modelfile is not None else "model") from None
+    runtime.refresh(record)
+    lines = [{"status": f"using existing layer sha256:{record.sha256}"}, {"status": "writing manifest"},
+             {"status": "success"}]
+    if not body.stream:
+        return lines[-1]
+
+    async def stream():
+        for line in lines:
+            yield line
+
+    return _ndjson(stream())
+
+
+@router.post("/copy", responses=_ERRORS, summary="Copy a model to another name (the weights are shared)")
+async def copy(body: CopyRequest, request: Request):
+    runtime = _runtime(request)
+    try:
+        await asyncio.to_thread(runtime.store.copy, body.source, body.destination)
+    except StoreError as e:
+        raise RequestError(str(e), "destination") from None
+    return Response(status_code=200)
+
+
 @router.post("/show", responses=_ERRORS, summary="A model's details, template, parameters and metadata")
 async def show(body: ModelRequest, request: Request):
-    from kiln.commands.models import describe
+    from kiln.commands.models import describe, modelfile_of
 
     record = await _runtime(request).resolve(body.tag())
     info = await asyncio.to_thread(describe, record)
     arch = info["family"]
-    parameters = "\n".join(f"{k} {v}" for k, v in (record.catalog.defaults if record.catalog else ()))
+    parameters = "\n".join(f"{k} {json.dumps(v) if k == 'stop' else v}" for k, values in record.effective_parameters().items()
+                           for v in (values if k == "stop" else [values]))
     template = info["chat_template"] or ""
     model_info = {"general.architecture": arch, "general.name": info["name"], "general.parameter_count": info["parameters"],
                   "general.quantization": info["quantization"], f"{arch}.context_length": info["context_length"],
                   f"{arch}.embedding_length": info["embedding_length"], f"{arch}.block_count": info["layers"],
                   f"{arch}.attention.head_count": info["heads"], f"{arch}.attention.head_count_kv": info["kv_heads"],
                   f"{arch}.attention.key_length": info["head_dim"]}
-    modelfile = f"# Modelfile generated by kiln\nFROM {record.path}\nTEMPLATE \"\"\"{template}\"\"\"\n"
-    modelfile += "".join(f"PARAMETER {line}\n" for line in parameters.splitlines())
-    return {"modelfile": modelfile, "parameters": parameters, "template": template, "details": _details(record),
-            "model_info": model_info, "capabilities": ["completion", "tools"], "license": "",
-            "modified_at": _modified(record)}
+    shown = {"modelfile": modelfile_of(record), "parameters": parameters, "template": template,
+             "details": _details(record), "model_info": model_info, "capabilities": ["completion", "tools"],
+             "license": record.license or "", "modified_at": _modified(record)}
+    return {**shown, "system": record.system} if record.system is not None else shown
 
 
 @router.get("/ps", responses={401: _ERRORS[401]}, summary="The loaded model")

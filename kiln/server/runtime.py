@@ -104,6 +104,7 @@ class Loaded:
     expires_at: float | None = None  # wall clock; None while busy or when kept forever
     active: int = 0
     drafter: ModelDrafter | None = None  # the server's --draft-model, loaded for this model
+    stale: bool = False  # its tag now names other weights (kiln create): swapped out at the next request
 
     @property
     def tag(self) -> str:
@@ -141,7 +142,7 @@ class Runtime:
         """The store record `name` means: an installed tag, or the model the server was started with."""
         from kiln.store import looks_like_path
 
-        if self.loaded is not None and name == self.loaded.tag:
+        if self.loaded is not None and name == self.loaded.tag and not self.loaded.stale:
             return self.loaded.record
         if not name.strip():
             raise ModelNotFoundError("model is required: name an installed model (GET /api/tags lists them)")
@@ -153,7 +154,7 @@ class Runtime:
         """The loaded model `name` means, loading or swapping it in; release() it when done."""
         record = await self.resolve(name, allow_path)
         async with self._switch:
-            if self.loaded is None or self.loaded.tag != record.tag:
+            if self.loaded is None or self.loaded.tag != record.tag or self.loaded.stale:
                 if self.loaded is not None:
                     async with self._idle:
                         await self._idle.wait_for(lambda: self.loaded.active == 0)
@@ -171,6 +172,20 @@ class Runtime:
             self._expiry.set()
         async with self._idle:
             self._idle.notify_all()
+
+    def refresh(self, record) -> None:
+        """A tag was (re)created: when it is the loaded model, later requests get its new system message,
+        defaults and stop strings; the weights are the same file."""
+        loaded = self.loaded
+        if loaded is None or loaded.tag != record.tag:
+            return
+        if record.sha256 != loaded.record.sha256:  # other weights under the same name: the next request reloads
+            loaded.stale = True
+            return
+        model = loaded.model
+        model.defaults, model.system = record.sampling_defaults(), record.system
+        model.stop = list(record.parameters.get("stop", []))
+        loaded.record = record
 
     async def preload(self, name: str, keep_alive=DEFAULT, allow_path: bool = False) -> Loaded:
         loaded = await self.acquire(name, allow_path)
@@ -374,7 +389,10 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
     use_tools = bool(job.tools) and job.tool_choice != "none"
     toolcalls.check_tool_choice(job.tools, job.tool_choice)
     if job.messages is not None:
-        messages, template_tools = toolcalls.render_messages(job.messages, job.tools if use_tools else None,
+        chat = job.messages
+        if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
+            chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
+        messages, template_tools = toolcalls.render_messages(chat, job.tools if use_tools else None,
                                                              tok.chat_template, job.tool_choice)
         ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools))
     elif isinstance(job.prompt, list):
@@ -382,7 +400,8 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
     elif job.raw:
         ids = tok.encode(job.prompt, add_bos=None if not job.context else False)
     else:
-        messages = ([{"role": "system", "content": job.system}] if job.system else []) + [{"role": "user", "content": job.prompt}]
+        system = job.system or model.system
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": job.prompt}]
         ids = tok.encode(tok.apply_chat_template(messages), add_bos=None if not job.context else False)
     if job.context:
         ids = _token_ids(job.context, tok.vocab_size, "context") + ids
@@ -401,7 +420,8 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
     elif job.json:
         constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
     options = speculative.replace(job.speculative_params, **job.speculative)
-    seq = Sequence(ids, params, tok, budget, stop=[s for s in job.stop if s], stop_ids=tok.stop_ids,
+    stop = [s for s in job.stop if s] or model.stop
+    seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=tok.stop_ids,
                    logprobs=job.logprobs, constraint=constraint,
                    speculation=speculation(options, drafter, job.speculative_params[0]))
     return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
