@@ -70,3 +70,15 @@ def test_errors_take_the_shape_of_each_api(make_client):
         assert r.status_code == 404 and "/v1/nothing" in r.json()["error"]["message"]
         assert client.get("/api/ps").json() == {"models": []}
         assert client.get("/").text == "kiln is running"
+
+
+@pytest.mark.parametrize("flags,message", [(["--port", "70000"], "--port must be 1..65535"),
+                                           (["--port", "0"], "--port must be at least 1"),
+                                           (["--parallel", "0"], "--parallel must be at least 1"),
+                                           (["--max-queue", "-1"], "--max-queue must be >= 0"),
+                                           (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1")])
+def test_kiln_serve_refuses_bad_options_before_binding(flags, message, capsys):
+    from kiln.cli import main
+
+    assert main(["serve", *flags]) == 1
+    assert message in capsys.readouterr().err

@@ -47,6 +47,8 @@ def cmd_serve(args) -> int:
     for name in ("parallel", "max_queue", "port"):
         if getattr(args, name) < (1 if name != "max_queue" else 0):
             raise KilnError(f"--{name.replace('_', '-')} must be {'at least 1' if name != 'max_queue' else '>= 0'}")
+    if args.port > 65535:  # the socket layer would take it modulo 65536 and bind somewhere else
+        raise KilnError(f"--port must be 1..65535, not {args.port}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
