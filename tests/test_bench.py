@@ -623,3 +623,14 @@ def test_bench_help_lists_options_and_subcommands(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--n-prompt" in out and "--batch" in out and "kiln bench sweep" in out
+
+
+@pytest.mark.parametrize("flags,message", [(["-p", "-5"], "-p and -n must be at least 0"),
+                                           (["-n", "-1"], "-p and -n must be at least 0"),
+                                           (["-r", "0"], "-r at least 1"),
+                                           (["-p", "0", "-n", "0"], "nothing to measure"),
+                                           (["-t", "0"], "threads and batch sizes must be at least 1")])
+def test_bench_refuses_bad_counts_before_loading(flags, message, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        kiln_main(["bench", *flags, str(tmp_path / "never-opened.gguf")])
+    assert message in str(exit_.value.code)

@@ -71,6 +71,10 @@ def run_perf(a) -> int:
     threads = a.threads or [physical_cores()]
     if min(threads) < 1 or min(a.batch) < 1:
         raise SystemExit("kiln bench: threads and batch sizes must be at least 1")
+    if a.n_prompt < 0 or a.n_gen < 0 or a.repetitions < 1:  # -d, -t and -b are checked as they are parsed
+        raise SystemExit("kiln bench: -p and -n must be at least 0, -r at least 1")
+    if a.n_prompt == 0 and a.n_gen == 0:
+        raise SystemExit("kiln bench: -p 0 -n 0 leaves nothing to measure")
     report = perf.run(a.model, a.n_prompt, a.n_gen, threads, a.depth, a.batch, a.repetitions,
                       progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr))
     sys.stdout.write({"json": to_json, "csv": to_csv, "md": to_markdown}[a.output](report))

@@ -39,7 +39,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float)
     g.add_argument("--repeat-penalty", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("-n", "--num-predict", type=int, help="most tokens to generate (default: until the context is full)")
+    g.add_argument("-n", "--num-predict", type=int,
+                   help="most tokens to generate (default, or negative: until the context is full)")
     g.add_argument("-c", "--ctx-len", type=int, help="context length (default min(model's, 4096))")
     g.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
@@ -192,7 +193,8 @@ def cmd_run(args) -> int:
         draft = load(args.draft_model, backend=args.backend, n_ctx=model.n_ctx, threads=args.threads)
         drafter = ModelDrafter(draft, model)
     system = args.system if args.system is not None else model.system
-    chat = Chat(model, sampling_from_args(args, model.defaults), args.num_predict, system, args.raw, spec, drafter)
+    num_predict = None if args.num_predict is not None and args.num_predict < 0 else args.num_predict  # as Ollama's -1
+    chat = Chat(model, sampling_from_args(args, model.defaults), num_predict, system, args.raw, spec, drafter)
     chat.verbose = args.verbose
     chat.format = answer_format
     if prompt:
