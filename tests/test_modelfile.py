@@ -130,3 +130,26 @@ def test_a_loaded_created_model_carries_its_system_defaults_and_stops(base, home
         assert model.defaults == {"temperature": 0.3, "top_k": 20} and model.stop == ["<|im_end|>", "User:"]
     finally:
         model.close()
+
+
+def test_chat_reads_multiline_messages_and_saves_and_loads_models(base, home, monkeypatch, capsys):
+    from kiln.commands.run import HELP, Chat, interactive
+    from kiln.engine.model import load
+    from kiln.engine.sampler import SamplingParams
+
+    lines = iter(['"""first line', "second line", 'third"""', "/set temperature 0", "/set system Be brief.",
+                  "/save brief", "/load brief", "/?", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    asked = []
+    monkeypatch.setattr(Chat, "ask", lambda self, text, out=None: asked.append((self.model.tag, text)))
+    model = load("base:v1", n_ctx=64, progress=False)
+    chat = Chat(model, SamplingParams(), None, None, False)
+    chat.load_options = {"n_ctx": 64}
+    assert interactive(chat) == 0
+    assert asked == [("base:v1", "first line\nsecond line\nthird")]
+    saved = Store().resolve("brief")
+    assert saved.system == "Be brief." and saved.parameters == {"temperature": 0.0} and saved.sha256
+    assert chat.model.tag == "brief:latest" and chat.system == "Be brief." and chat.params.temperature == 0.0
+    err = capsys.readouterr().err
+    assert "Created new model 'brief:latest'" in err and "Loaded brief:latest" in err and HELP in err
+    chat.model.close()

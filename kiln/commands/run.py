@@ -11,8 +11,12 @@ HELP = """Commands:
   /set temperature|top_p|top_k|min_p|seed|num_predict|system|format VALUE
   /set noformat   answer in free text again
   /show      model details        /verbose   toggle timing stats
+  /save NAME keep this model with the chat's system message and sampling as a new model
+  /load NAME continue the chat with another model
   /clear     forget the chat      /bye       exit
-  /?         this help"""
+  /?         this help
+Start a message with \"\"\" to write several lines; end it with \"\"\"."""
+QUOTE = '"""'
 
 
 def register(sub) -> None:
@@ -117,6 +121,7 @@ class Chat:
         self.slot_tokens: list[int] = []
         self.verbose = False
         self.format = None  # None, ANY_JSON or a JSON schema: what the answer must be
+        self.load_options: dict = {}  # how /load loads another model: backend, context, threads
 
     def clear(self) -> None:
         self.messages, self.slot_tokens = [], []
@@ -197,6 +202,7 @@ def cmd_run(args) -> int:
     chat = Chat(model, sampling_from_args(args, model.defaults), num_predict, system, args.raw, spec, drafter)
     chat.verbose = args.verbose
     chat.format = answer_format
+    chat.load_options = {"backend": args.backend, "n_ctx": args.ctx_len, "threads": args.threads}
     if prompt:
         chat.ask(prompt)
         return 0
@@ -211,11 +217,10 @@ def interactive(chat: Chat) -> int:
     print(f"kiln: chatting with {chat.model.tag}. /? for help, /bye to exit.", file=sys.stderr)
     while True:
         try:
-            line = input(">>> ")
+            line = read_message()
         except EOFError:
             print()
             return 0
-        line = line.strip()
         if not line:
             continue
         if line.startswith("/"):
@@ -228,6 +233,50 @@ def interactive(chat: Chat) -> int:
             print()
         except KilnError as e:
             print(f"kiln: error: {e}", file=sys.stderr)
+
+
+def read_message() -> str:
+    """One line, or the lines between a triple quote that starts the message and one that ends it."""
+    line = input(">>> ").strip()
+    if not line.startswith(QUOTE):
+        return line
+    text = line[len(QUOTE):]
+    while not text.endswith(QUOTE):
+        text += "\n" + input("... ")
+    return text[: -len(QUOTE)].strip()
+
+
+def save_model(chat: Chat, name: str) -> None:
+    """/save: a created model with the chat's system message and the sampling values that differ from
+    the defaults (what `kiln create` makes from a Modelfile)."""
+    from dataclasses import asdict
+
+    from kiln.engine.sampler import SamplingParams
+    from kiln.modelfile import Recipe
+    from kiln.store import Store
+
+    default = asdict(SamplingParams())
+    parameters = {k: v for k, v in asdict(chat.params).items() if v != default[k] and v is not None}
+    if chat.model.stop:
+        parameters["stop"] = list(chat.model.stop)
+    base = chat.model.tag if chat.model.sha256 else str(chat.model.path)
+    record = Store().create(name, Recipe(base, chat.system, parameters), progress=False)
+    print(f"Created new model {record.tag!r}.", file=sys.stderr)
+
+
+def load_model(chat: Chat, name: str) -> None:
+    """/load: another model continues the conversation, with its own defaults and system message."""
+    from kiln.engine.model import load
+    from kiln.engine.sampler import SamplingParams
+
+    if chat.drafter is not None:
+        raise KilnError("/load cannot swap the model a --draft-model drafts for; start kiln run again")
+    model = load(name, **chat.load_options)
+    chat.model.close()
+    chat.model, chat.slot_tokens = model, []
+    chat.params = SamplingParams().replace(**model.defaults)
+    chat.system = model.system
+    print(f"Loaded {model.tag}; the chat goes on.", file=sys.stderr)
 
 
 def slash_command(chat: Chat, line: str) -> bool:
@@ -244,6 +293,11 @@ def slash_command(chat: Chat, line: str) -> bool:
         print(f"Verbose stats {'on' if chat.verbose else 'off'}.", file=sys.stderr)
     elif cmd == "/show":
         show_model(chat)
+    elif cmd in ("/save", "/load") and len(words) == 2:
+        try:
+            (save_model if cmd == "/save" else load_model)(chat, words[1])
+        except KilnError as e:
+            print(f"kiln: error: {e}", file=sys.stderr)
     elif cmd == "/set" and len(words) == 3:
         set_option(chat, words[1], words[2])
     elif cmd == "/set" and words[1:] == ["noformat"]:
