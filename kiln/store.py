@@ -357,7 +357,9 @@ class Store:
         tag = self._own_tag(name)
         manifest = self._manifest_path(tag)
         previous = self._record_from_manifest(tag, manifest) if manifest.is_file() else None
-        if looks_like_path(recipe.base):
+        if recipe.base.startswith("sha256:"):  # an uploaded blob (POST /api/blobs)
+            base = self._uploaded(recipe.base)
+        elif looks_like_path(recipe.base):
             base = self._import(Path(recipe.base), tag, force=True, progress=progress)
         else:
             base = self.ensure(recipe.base, progress=progress)
@@ -385,7 +387,36 @@ class Store:
             raise StoreError(f"model {base.tag} is damaged: {base.problem}")
         return self.create(destination, Recipe(base.tag), progress=False, source=f"copy of {base.tag}")
 
+    def has_blob(self, digest: str) -> bool:
+        """Whether the store holds the blob `digest` ("sha256:<hex>")."""
+        return self._blob_path(_digest_hex(digest)).is_file()
+
+    @contextlib.contextmanager
+    def upload(self, digest: str) -> Iterator[BinaryIO]:
+        """A file to write a blob into; on leaving, its sha256 must be `digest` and it must be a GGUF file
+        kiln reads, or it is thrown away with an error naming what is wrong. Then it is placed atomically."""
+        expected = _digest_hex(digest)
+        with self._pull_dir() as tmp:
+            path = tmp / "upload"
+            with open(path, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            actual = sha256_file(path)
+            if actual != expected:
+                raise StoreError(f"the uploaded bytes have sha256 {actual}, not the {expected} named")
+            self._path_record(path)  # a one-line ModelFileError for anything kiln cannot read
+            self._place_blob(path, expected)
+
     # --- internals -------------------------------------------------------------------------------
+    def _uploaded(self, digest: str) -> ModelRecord:
+        blob = self._blob_path(_digest_hex(digest))
+        if not blob.is_file():
+            raise StoreError(f"no blob {digest}: upload it first (POST /api/blobs/{digest})")
+        details = self._path_record(blob).details
+        return ModelRecord(digest, blob, blob.name.removeprefix("sha256-"), blob.stat().st_size, source="upload",
+                           details=details)
+
     def _own_tag(self, name: str) -> str:
         """A tag a user may write: canonical, and not one of the catalog's (a pull would overwrite it)."""
         tag = _canonical_tag(name, StoreError)
@@ -618,6 +649,13 @@ class Store:
             return
         self._blob_path(sha256).unlink(missing_ok=True)
         shutil.rmtree(self.home / "cache" / f"sha256-{sha256}", ignore_errors=True)
+
+
+def _digest_hex(digest: str) -> str:
+    hex_ = digest.removeprefix("sha256:")
+    if not digest.startswith("sha256:") or not _SHA256_RE.match(hex_):
+        raise StoreError(f"{digest!r} is not a digest: expected sha256: and 64 lowercase hex digits")
+    return hex_
 
 
 def _canonical_tag(name: str, error: type[KilnError]) -> str:

@@ -502,3 +502,36 @@ def test_create_copy_show_and_chat_with_a_created_model(oll):
     for tag in ("kiln-terse", "kiln-terse2"):
         assert oll.delete(tag).status == "success"
     assert MODEL in {m.model for m in oll.list().models}
+
+
+def test_upload_a_gguf_and_create_a_model_from_it(oll, server, tmp_path):
+    import hashlib
+
+    from kiln.store import Store
+    from kiln.synth import write_random_gguf
+
+    path = write_random_gguf(tmp_path / "tiny.gguf", "tiny-llama", seed=3)
+    digest = oll.create_blob(path)  # the official client's upload: POST /api/blobs/sha256:...
+    assert digest == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert httpx.head(f"{server.url}/api/blobs/{digest}").status_code == 200
+    assert oll.create(model="kiln-uploaded", files={"tiny.gguf": digest}, system="Be brief.").status == "success"
+    record = Store(home=TEST_HOME).resolve("kiln-uploaded")
+    assert record.path.read_bytes() == path.read_bytes() and record.system == "Be brief."
+    assert oll.generate(model="kiln-uploaded", prompt="hi", raw=True, options={"num_predict": 2}).done
+
+    def refused(url, content):
+        r = httpx.post(url, content=content)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert "sha256" in refused(f"{server.url}/api/blobs/sha256:{'0' * 64}", path.read_bytes())
+    text = b"not a model"
+    assert "GGUF" in refused(f"{server.url}/api/blobs/sha256:{hashlib.sha256(text).hexdigest()}", text)
+    assert "not a digest" in refused(f"{server.url}/api/blobs/md5:abc", text)
+    assert httpx.head(f"{server.url}/api/blobs/sha256:{hashlib.sha256(text).hexdigest()}").status_code == 404
+    with pytest.raises(ollama.ResponseError) as bad:
+        oll.create(model="kiln-bad", files={"x.gguf": "/etc/hostname"})
+    assert bad.value.status_code == 400
+    assert oll.delete("kiln-uploaded").status == "success"
+    assert not record.path.exists()  # its last tag gone, the uploaded blob goes too
+    assert oll.generate(model=MODEL, keep_alive="10m").done_reason == "load"

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
-from kiln.errors import KilnError, RequestError, StoreError
+from kiln.errors import KilnError, ModelFileError, RequestError, StoreError
 from kiln.server.openai import Tool
 from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
 
@@ -169,7 +169,8 @@ class CreateRequest(_Model):
     license: str | list[str] | None = None
     template: str | None = Field(None, description="not supported: the model's own chat template is used")
     adapters: dict[str, str] | None = Field(None, description="not supported: kiln does not apply LoRA adapters")
-    files: dict[str, str] | None = Field(None, description="not supported: import GGUF files with `kiln pull FILE`")
+    files: dict[str, str] | None = Field(None, description="one GGUF file, {name.gguf: digest}, uploaded with "
+                                                                "POST /api/blobs/{digest}: the model's weights")
     messages: list[dict[str, Any]] | None = Field(None, description="not supported: kiln does not store messages")
     quantize: str | None = Field(None, description="not supported: kiln runs the file's own quantization")
     stream: bool = True
@@ -266,11 +267,19 @@ async def create(body: CreateRequest, request: Request):
     tag = body.model or body.name
     if not tag:
         raise RequestError("model is required: the new model's name", "model")
-    for field in ("template", "adapters", "files", "messages", "quantize"):
+    for field in ("template", "adapters", "messages", "quantize"):
         if getattr(body, field):
             raise RequestError(f"{field}: {CreateRequest.model_fields[field].description}", field)
     try:
-        if body.modelfile is not None:
+        if body.files is not None:
+            ggufs = [digest for name, digest in body.files.items() if name.endswith(".gguf")]
+            if len(ggufs) != 1 or len(body.files) != 1 or not ggufs[0].startswith("sha256:"):
+                raise RequestError("files: give exactly one .gguf file, by the digest it was uploaded under "
+                                   "(POST /api/blobs/sha256:...)", "files")
+            parameters, _ = check_parameters(body.parameters or {}, "parameters")
+            license_ = "\n".join(body.license) if isinstance(body.license, list) else body.license
+            recipe = Recipe(ggufs[0], body.system, parameters, license_)
+        elif body.modelfile is not None:
             recipe = parse(body.modelfile, "modelfile")
         elif body.from_:
             parameters, _ = check_parameters(body.parameters or {}, "parameters")
@@ -283,7 +292,8 @@ async def create(body: CreateRequest, request: Request):
         async with runtime.pull_lock:  # creating may pull the base
             record = await asyncio.to_thread(runtime.store.create, tag, recipe, False)
     except StoreError as e:
-        raise RequestError(str(e), "modelfile" if body.modelfile is not None else "model") from None
+        field = "files" if body.files is not None else "modelfile" if body.modelfile is not None else "model"
+        raise RequestError(str(e), field) from None
     runtime.refresh(record)
     lines = [{"status": f"using existing layer sha256:{record.sha256}"}, {"status": "writing manifest"},
              {"status": "success"}]
@@ -295,6 +305,29 @@ async def create(body: CreateRequest, request: Request):
             yield line
 
     return _ndjson(stream())
+
+
+@router.head("/blobs/{digest}", responses={404: {"description": "No such blob"}}, summary="Whether a blob is stored")
+async def blob_exists(digest: str, request: Request):
+    try:
+        found = _runtime(request).store.has_blob(digest)
+    except StoreError as e:
+        raise RequestError(str(e), "digest") from None
+    return Response(status_code=200 if found else 404)
+
+
+@router.post("/blobs/{digest}", status_code=201, responses=_ERRORS, summary="Upload a GGUF file for /api/create",
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+async def upload_blob(digest: str, request: Request):
+    store = _runtime(request).store
+    try:
+        with store.upload(digest) as f:
+            async for chunk in request.stream():
+                f.write(chunk)
+    except (StoreError, ModelFileError) as e:
+        raise RequestError(str(e), "digest" if isinstance(e, StoreError) else "body") from None
+    return Response(status_code=201)
 
 
 @router.post("/copy", responses=_ERRORS, summary="Copy a model to another name (the weights are shared)")
