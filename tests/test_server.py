@@ -432,7 +432,9 @@ def test_embeddings_with_the_official_clients(oai, oll, server, smollm2_path):
 
     from kiln.engine.model import load
 
+    before = server.metric("kiln_embedding_inputs_total", 'api="openai"')
     r = oai.embeddings.create(model=MODEL, input=EMBED_TEXTS)  # the SDK asks for base64 and decodes it
+    assert server.metric("kiln_embedding_inputs_total", 'api="openai"') == before + 3
     vectors = np.array([d.embedding for d in r.data])
     assert [d.index for d in r.data] == [0, 1, 2] and vectors.shape == (3, 576) and r.model == MODEL
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)

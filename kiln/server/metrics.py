@@ -13,7 +13,8 @@ class Metrics:
     def __init__(self, stats: Callable[[], dict]):
         """`stats()` gives the scheduler's running/waiting/KV numbers at scrape time (zeros when no model is loaded)."""
         r = self.registry = CollectorRegistry()
-        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests, cached ones included", registry=r)
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests (embeddings' too), cached "
+                                     "ones included", registry=r)
         self.cached_tokens = Counter("kiln_prompt_cached_tokens", "Prompt tokens reused from the KV cache", registry=r)
         self.generated_tokens = Counter("kiln_generated_tokens", "Tokens generated", registry=r)
         self.draft_tokens = Counter("kiln_draft_tokens", "Tokens proposed by speculative decoding", registry=r)
@@ -21,6 +22,7 @@ class Metrics:
                                       registry=r)
         self.requests = Counter("kiln_requests", "Generation requests by API and how they ended", ["api", "finish_reason"],
                                 registry=r)
+        self.embedding_inputs = Counter("kiln_embedding_inputs", "Inputs embedded, by API", ["api"], registry=r)
         self.rejected = Counter("kiln_requests_rejected", "Requests turned away before generating", ["reason"], registry=r)
         self.duration = Histogram("kiln_request_duration_seconds", "Whole request: queue, prefill and decode",
                                   buckets=_LATENCY, registry=r)

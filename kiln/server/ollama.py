@@ -235,7 +235,7 @@ async def embed(body: EmbedRequest, request: Request):
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = DEFAULT if body.keep_alive is None else parse_keep_alive(body.keep_alive)
-    result = await _runtime(request).embed(body.model, inputs, keep_alive, "input")
+    result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input")
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -249,7 +249,7 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     if not body.prompt:
         await runtime.preload(body.model, keep_alive)
         return {"embedding": []}
-    result = await runtime.embed(body.model, [body.prompt], keep_alive, "prompt")
+    result = await runtime.embed("ollama", body.model, [body.prompt], keep_alive, "prompt")
     return {"embedding": result.vectors[0].astype(float).tolist()}
 
 

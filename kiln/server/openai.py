@@ -231,7 +231,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not inputs:
         raise RequestError("input is empty", "input")
-    result = await _runtime(request).embed(body.model, inputs, param="input")
+    result = await _runtime(request).embed("openai", body.model, inputs, param="input")
     data = []
     for i, v in enumerate(unit_vectors(result.vectors, body.dimensions)):
         vector = base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64" else v.tolist()

@@ -278,7 +278,7 @@ class Runtime:
             raise
         return generation
 
-    async def embed(self, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input") -> Embeddings:
+    async def embed(self, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input") -> Embeddings:
         """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
         the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
         time as there are KV slots, so a long list never fills the request queue."""
@@ -307,6 +307,8 @@ class Runtime:
                 future.cancel()
                 loaded.scheduler.cancel(req)
             await self.release(loaded, keep_alive)
+        self.metrics.embedding_inputs.labels(api).inc(len(ids))
+        self.metrics.prompt_tokens.inc(sum(map(len, ids)))
         return Embeddings(loaded.tag, vectors, sum(map(len, ids)), load_ms, (time.perf_counter() - t0) * 1e3)
 
 
