@@ -392,21 +392,13 @@ class Store:
         return self._blob_path(_digest_hex(digest)).is_file()
 
     @contextlib.contextmanager
-    def upload(self, digest: str) -> Iterator[BinaryIO]:
-        """A file to write a blob into; on leaving, its sha256 must be `digest` and it must be a GGUF file
-        kiln reads, or it is thrown away with an error naming what is wrong. Then it is placed atomically."""
+    def upload(self, digest: str) -> Iterator["Upload"]:
+        """Somewhere to write a blob: `write` its bytes, then `finish` (slow: call it off the event loop)
+        checks that their sha256 is `digest` and that they are a GGUF file kiln reads, and places the blob
+        atomically. Whatever is not finished is thrown away on leaving."""
         expected = _digest_hex(digest)
-        with self._pull_dir() as tmp:
-            path = tmp / "upload"
-            with open(path, "wb") as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            actual = sha256_file(path)
-            if actual != expected:
-                raise StoreError(f"the uploaded bytes have sha256 {actual}, not the {expected} named")
-            self._path_record(path)  # a one-line ModelFileError for anything kiln cannot read
-            self._place_blob(path, expected)
+        with self._pull_dir() as tmp, open(tmp / "upload", "wb") as f:
+            yield Upload(self, f, expected)
 
     # --- internals -------------------------------------------------------------------------------
     def _uploaded(self, digest: str) -> ModelRecord:
@@ -477,6 +469,13 @@ class Store:
         own = {key: data.get(key) for key in ("system", "license")}
         own = {k: v if isinstance(v, str) else None for k, v in own.items()}
         parameters = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+        if parameters and problem is None:
+            from kiln.modelfile import check_parameters
+
+            try:
+                parameters, _ = check_parameters(parameters, f"manifest {path}")
+            except StoreError as e:
+                problem, parameters = str(e), {}
         return ModelRecord(tag, blob, sha256, size, entry, source, pulled_at, original, details, problem,
                            parameters=parameters, **own)
 
@@ -649,6 +648,27 @@ class Store:
             return
         self._blob_path(sha256).unlink(missing_ok=True)
         shutil.rmtree(self.home / "cache" / f"sha256-{sha256}", ignore_errors=True)
+
+
+class Upload:
+    """A blob being uploaded (Store.upload): hashed as it is written."""
+
+    def __init__(self, store: Store, file: BinaryIO, expected: str):
+        self.store, self.file, self.expected, self.hash = store, file, expected, hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.hash.update(chunk)
+        self.file.write(chunk)
+
+    def finish(self) -> None:
+        actual = self.hash.hexdigest()
+        if actual != self.expected:
+            raise StoreError(f"the uploaded bytes have sha256 {actual}, not the {self.expected} named")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        path = Path(self.file.name)
+        self.store._path_record(path)  # a one-line ModelFileError for anything kiln cannot read
+        self.store._place_blob(path, self.expected)
 
 
 def _digest_hex(digest: str) -> str:

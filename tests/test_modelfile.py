@@ -153,3 +153,16 @@ def test_chat_reads_multiline_messages_and_saves_and_loads_models(base, home, mo
     err = capsys.readouterr().err
     assert "Created new model 'brief:latest'" in err and "Loaded brief:latest" in err and HELP in err
     chat.model.close()
+
+
+def test_a_manifest_with_bad_parameters_is_reported_as_damaged(base, home):
+    import json
+
+    Store().create("mario", parse(MODELFILE), progress=False)
+    manifest = home / "manifests" / "mario" / "latest.json"
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "parameters": {"temperature": "hot"}}))
+    record = next(r for r in Store().installed() if r.tag == "mario:latest")
+    assert "temperature must be a number" in record.problem and str(manifest) in record.problem
+    with pytest.raises(StoreError, match="mario:latest is damaged"):
+        Store().resolve("mario")

@@ -271,22 +271,21 @@ async def create(body: CreateRequest, request: Request):
         if getattr(body, field):
             raise RequestError(f"{field}: {CreateRequest.model_fields[field].description}", field)
     try:
-        if body.files is not None:
-            ggufs = [digest for name, digest in body.files.items() if name.endswith(".gguf")]
-            if len(ggufs) != 1 or len(body.files) != 1 or not ggufs[0].startswith("sha256:"):
-                raise RequestError("files: give exactly one .gguf file, by the digest it was uploaded under "
-                                   "(POST /api/blobs/sha256:...)", "files")
-            parameters, _ = check_parameters(body.parameters or {}, "parameters")
-            license_ = "\n".join(body.license) if isinstance(body.license, list) else body.license
-            recipe = Recipe(ggufs[0], body.system, parameters, license_)
-        elif body.modelfile is not None:
+        if body.modelfile is not None and body.files is None:
             recipe = parse(body.modelfile, "modelfile")
-        elif body.from_:
+        else:
+            base = body.from_
+            if body.files is not None:
+                ggufs = [digest for name, digest in body.files.items() if name.endswith(".gguf")]
+                if len(ggufs) != 1 or len(body.files) != 1 or not ggufs[0].startswith("sha256:"):
+                    raise RequestError("files: give exactly one .gguf file, by the digest it was uploaded under "
+                                       "(POST /api/blobs/sha256:...)", "files")
+                base = ggufs[0]
+            if not base:
+                raise RequestError("from is required: the installed model to build on", "from")
             parameters, _ = check_parameters(body.parameters or {}, "parameters")
             license_ = "\n".join(body.license) if isinstance(body.license, list) else body.license
-            recipe = Recipe(body.from_, body.system, parameters, license_)
-        else:
-            raise RequestError("from is required: the installed model to build on", "from")
+            recipe = Recipe(base, body.system, parameters, license_)
         if looks_like_path(recipe.base):  # clients may not open files on the server's disk
             raise RequestError(f"{recipe.base!r}: build on an installed model's tag, not a file path", "from")
         async with runtime.pull_lock:  # creating may pull the base
@@ -322,9 +321,10 @@ async def blob_exists(digest: str, request: Request):
 async def upload_blob(digest: str, request: Request):
     store = _runtime(request).store
     try:
-        with store.upload(digest) as f:
+        with store.upload(digest) as upload:
             async for chunk in request.stream():
-                f.write(chunk)
+                upload.write(chunk)
+            await asyncio.to_thread(upload.finish)
     except (StoreError, ModelFileError) as e:
         raise RequestError(str(e), "digest" if isinstance(e, StoreError) else "body") from None
     return Response(status_code=201)
@@ -347,7 +347,8 @@ async def show(body: ModelRequest, request: Request):
     record = await _runtime(request).resolve(body.tag())
     info = await asyncio.to_thread(describe, record)
     arch = info["family"]
-    parameters = "\n".join(f"{k} {json.dumps(v) if k == 'stop' else v}" for k, values in record.effective_parameters().items()
+    parameters = "\n".join(f"{k} {json.dumps(v) if k == 'stop' else v}"
+                           for k, values in record.effective_parameters().items()
                            for v in (values if k == "stop" else [values]))
     template = info["chat_template"] or ""
     model_info = {"general.architecture": arch, "general.name": info["name"], "general.parameter_count": info["parameters"],

@@ -337,7 +337,8 @@ class Embeddings:
 
 
 def unit_vectors(vectors: list[np.ndarray], dimensions: int | None, param: str = "dimensions") -> list[np.ndarray]:
-    """Embeddings as both APIs return them: length 1, optionally cut to their first `dimensions` first."""
+    """Embeddings as both APIs return them: length 1, each first cut to its first `dimensions` values when
+    asked (as OpenAI's `dimensions` does)."""
     if dimensions is not None and vectors and dimensions > vectors[0].size:
         raise RequestError(f"{param} is {dimensions} but the model's embeddings have {vectors[0].size}", param)
     out = []
@@ -422,7 +423,7 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
     elif job.json:
         constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
     options = speculative.replace(job.speculative_params, **job.speculative)
-    stop = [s for s in job.stop if s] or model.stop
+    stop = [s for s in job.stop if s] or list(model.stop)
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=tok.stop_ids,
                    logprobs=job.logprobs, constraint=constraint,
                    speculation=speculation(options, drafter, job.speculative_params[0]))
