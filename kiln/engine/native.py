@@ -284,6 +284,7 @@ class NativeEngine:
         # out), so the decode plan lays its buffers over the prefill plan's arena.
         self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out)
         self.decode_plan = NativePlan(self, self._root, self.max_batch, self.max_batch, arena=self.prefill_plan.arena)
+        self._last_plan = self.decode_plan
 
     @property
     def plans(self) -> tuple[NativePlan, NativePlan]:
@@ -346,7 +347,8 @@ class NativeEngine:
 
     def hidden(self, n_out: int) -> np.ndarray:
         """The last step's final hidden states (the output head's normalized input) of its first `n_out`
-        rows with logits: what an embedding is made of."""
+        rows with logits: what an embedding is made of. Read them before the next step, which may reuse
+        the arena."""
         return self._last_plan.hidden[:n_out].copy()
 
     def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
