@@ -537,3 +537,59 @@ def test_upload_a_gguf_and_create_a_model_from_it(oll, server, tmp_path):
     assert oll.delete("kiln-uploaded").status == "success"
     assert not record.path.exists()  # its last tag gone, the uploaded blob goes too
     assert oll.generate(model=MODEL, keep_alive="10m").done_reason == "load"
+
+
+# --- OpenAI Responses API ------------------------------------------------------------------------------
+RESPONSE_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+                 "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+def test_responses_text_and_stream_agree(oai):
+    kwargs = {"model": MODEL, "input": "What is the capital of France?", "instructions": "You are a geography tutor.",
+              "max_output_tokens": 24, "temperature": 0}
+    whole = oai.responses.create(**kwargs)
+    assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage.input_tokens > 0 and whole.usage.output_tokens <= 24
+    events = list(oai.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+
+
+def test_responses_tool_call_round_trip_and_json(oai):
+    first = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSE_TOOL],
+                                 tool_choice="required", temperature=0)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    streamed = [e for e in oai.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                                tools=[RESPONSE_TOOL], tool_choice="required", temperature=0,
+                                                stream=True)]
+    (done,) = [e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert done.arguments == call.arguments and streamed[-1].type == "response.completed"
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    answer = oai.responses.create(model=MODEL, input=history, tools=[RESPONSE_TOOL], temperature=0, max_output_tokens=40)
+    assert answer.output_text and answer.usage.input_tokens > first.usage.input_tokens
+    person = oai.responses.create(model=MODEL, input="Describe a person named Ann, aged 31.", temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(person.output_text), PERSON)
+
+
+def test_bad_responses_requests_name_the_field(server):
+    def error(body):
+        r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert error({"input": "x", "previous_response_id": "resp_1"})["param"] == "previous_response_id"
+    assert error({"input": []})["param"] == "input"
+    assert error({"input": "x", "max_output_tokens": -1})["param"].endswith("max_output_tokens")
+    assert error({"input": "word " * (CTX + 10)})["code"] == "context_length_exceeded"
+    bad_call = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{nope"}]
+    assert error({"input": bad_call})["param"] == "input[0].arguments"

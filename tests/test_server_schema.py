@@ -13,8 +13,8 @@ from tests.serving import kiln_server
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2:135m"
-GENERATION = {"/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show", "/v1/embeddings",
-              "/api/embed", "/api/embeddings"}
+GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/api/chat", "/api/generate", "/api/show",
+              "/v1/embeddings", "/api/embed", "/api/embeddings"}
 EXAMPLES = 15  # per operation and mode: about a minute in all on two cores
 
 
@@ -26,7 +26,7 @@ def aim_at_the_model(case) -> None:
         return
     body["model"] = MODEL
     body.pop("keep_alive", None)  # 0 would unload the model for the next case
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int) and body[key] > 8:
             body[key] = 8
     if isinstance(body.get("options"), dict):

@@ -25,7 +25,7 @@ from kiln import __version__
 from kiln.chat import ChatTemplateError
 from kiln.engine.scheduler import QueueFullError, UnloadedError
 from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
-from kiln.server import ollama, openai
+from kiln.server import ollama, openai, responses
 from kiln.server.runtime import Runtime, Settings
 
 log = logging.getLogger("kiln.server")
@@ -52,6 +52,7 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     app.openapi = lambda: _openapi(app)
     _install_error_handlers(app)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(ollama.router)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, include_in_schema=False)
