@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -386,6 +387,26 @@ class Store:
         if base.problem:
             raise StoreError(f"model {base.tag} is damaged: {base.problem}")
         return self.create(destination, Recipe(base.tag), progress=False, source=f"copy of {base.tag}")
+
+    def prune(self, older_than_s: float = 3600.0) -> list[Path]:
+        """Remove blobs no manifest names (an upload no /api/create used, say) once they are older than
+        `older_than_s`, with their repack caches. Nothing is removed while any manifest is unreadable:
+        the blob it names is unknown."""
+        installed = self.installed()
+        if any(r.sha256 is None for r in installed):
+            return []
+        used, removed, now = {r.sha256 for r in installed}, [], time.time()
+        for blob in sorted((self.home / "blobs").glob("sha256-*")):
+            sha256 = blob.name.removeprefix("sha256-")
+            try:
+                stale = sha256 not in used and now - blob.stat().st_mtime > older_than_s
+            except FileNotFoundError:
+                continue
+            if stale:
+                blob.unlink(missing_ok=True)
+                shutil.rmtree(self.home / "cache" / blob.name, ignore_errors=True)
+                removed.append(blob)
+        return removed
 
     def has_blob(self, digest: str) -> bool:
         """Whether the store holds the blob `digest` ("sha256:<hex>")."""

@@ -166,3 +166,28 @@ def test_a_manifest_with_bad_parameters_is_reported_as_damaged(base, home):
     assert "temperature must be a number" in record.problem and str(manifest) in record.problem
     with pytest.raises(StoreError, match="mario:latest is damaged"):
         Store().resolve("mario")
+
+
+def test_prune_removes_old_blobs_no_model_uses(base, home):
+    import hashlib
+    import os
+
+    store = Store()
+    used = store.resolve("base:v1").path
+    for content, age in ((b"old upload", 7200), (b"fresh upload", 0)):
+        digest = "sha256:" + hashlib.sha256(content).hexdigest()
+        blob = home / "blobs" / digest.replace(":", "-")
+        blob.write_bytes(content)
+        os.utime(blob, (blob.stat().st_atime - age, blob.stat().st_mtime - age))
+    old = home / "blobs" / ("sha256-" + hashlib.sha256(b"old upload").hexdigest())
+    (home / "cache" / old.name).mkdir(parents=True)
+    os.utime(used, (used.stat().st_atime - 7200, used.stat().st_mtime - 7200))
+    broken = home / "manifests" / "broken" / "latest.json"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("{not json")
+    assert store.prune() == []  # an unreadable manifest might name any of them
+    broken.unlink()
+    assert store.prune() == [old]
+    assert not (home / "cache" / old.name).exists() and used.is_file()
+    assert sorted(p.name for p in (home / "blobs").iterdir()) == sorted(
+        [used.name, "sha256-" + hashlib.sha256(b"fresh upload").hexdigest()])

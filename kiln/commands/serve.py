@@ -57,6 +57,8 @@ def cmd_serve(args) -> int:
                         speculative=spec_from_args(args), draft_model=args.draft_model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store()
+    for blob in store.prune():  # uploads (POST /api/blobs) that no /api/create took
+        logging.getLogger("kiln.server").info("removed %s: no model uses it", blob)
     for ref in (args.model, args.draft_model):  # pull before binding the port, so a bad tag fails here
         if ref:
             store.ensure(ref, progress=True)
