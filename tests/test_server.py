@@ -593,3 +593,22 @@ def test_bad_responses_requests_name_the_field(server):
     assert error({"input": "word " * (CTX + 10)})["code"] == "context_length_exceeded"
     bad_call = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{nope"}]
     assert error({"input": bad_call})["param"] == "input[0].arguments"
+
+
+def test_logit_bias_bans_and_forces_tokens(oai, server):
+    def first_token(**kwargs):
+        r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                   logprobs=1, **kwargs)
+        return r.choices[0].logprobs.tokens[0], r.choices[0].text
+
+    greedy, _ = first_token()
+    ids = httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "The capital of France is" + greedy,
+                                                         "raw": True, "options": {"num_predict": 0}}).json()["context"]
+    greedy_id = ids[-1]  # the greedy token's id: the last of the prompt that ends with it
+    banned, _ = first_token(logit_bias={str(greedy_id): -100})
+    assert banned != greedy
+    _, forced = first_token(logit_bias={str(ids[0]): 100})  # "The", the prompt's first token
+    assert forced == oai.completions.create(model=MODEL, prompt=[ids[0]], max_tokens=0, echo=True).choices[0].text
+    for bias in ({"abc": 1}, {"1": 500}, {"999999": 1}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

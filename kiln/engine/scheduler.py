@@ -300,11 +300,11 @@ class Scheduler:
 
     def _sample_single_rows(self, spans: list[tuple[Request, Draft | None, int, int]], logits: np.ndarray) -> list[int | None]:
         """The tokens of the requests with one row this step (a prompt's end, a decode step without a draft)
-        and no grammar, drawn at once on the engine's threads; None for the others, which are sampled
-        one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
+        and no grammar or logit bias, drawn at once on the engine's threads; None for the others, which are
+        sampled one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
         jobs, where = [], []
         for i, (req, _, start, n) in enumerate(spans):
-            if n == 1 and req.seq.constraint is None and not req.embed:
+            if n == 1 and req.seq.constraint is None and not req.seq.logit_bias and not req.embed:
                 jobs.append((req.seq.sampler, start, req.seq.all_ids))
                 where.append(i)
         tokens: list[int | None] = [None] * len(spans)

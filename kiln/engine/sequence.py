@@ -92,6 +92,7 @@ class Sequence:
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
     constraint: object | None = None  # a grammar matcher (structured output) with allowed()/consume()
     speculation: object | None = None  # kiln.engine.speculative.Speculation: who drafts tokens, how many
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits before sampling (OpenAI's)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
@@ -123,6 +124,10 @@ class Sequence:
     def sample(self, logits: np.ndarray, ahead: list[int] = (), token: int | None = None) -> int:
         """The next token; `ahead` are tokens a speculative pass accepted but not yet appended, which the
         penalties must see. `token`: drawn already with the step's other rows (sampler.sample_rows)."""
+        if token is None and self.logit_bias:
+            logits = logits.copy()
+            ids = np.fromiter(self.logit_bias, dtype=np.int64, count=len(self.logit_bias))
+            logits[ids] += np.fromiter(self.logit_bias.values(), dtype=np.float32, count=len(ids))
         if token is None:
             allowed = self.constraint.allowed() if self.constraint is not None else None
             token = self.sampler(logits, self.all_ids + list(ahead) if ahead else self.all_ids, allowed)

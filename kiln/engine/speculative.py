@@ -118,9 +118,10 @@ class Draft:
 
 def draft_limit(seq) -> int:
     """How many tokens may be drafted for `seq` this pass: its current draft length, and one less than
-    it may still generate (the pass adds one token of the target's own); none under a grammar."""
+    it may still generate (the pass adds one token of the target's own); none under a grammar or a
+    logit bias (verification samples the unbiased distributions)."""
     spec = seq.speculation
-    if spec is None or seq.constraint is not None:
+    if spec is None or seq.constraint is not None or seq.logit_bias:
         return 0
     return max(0, min(spec.length, seq.max_tokens - len(seq.output_ids) - 1))
 

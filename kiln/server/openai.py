@@ -121,6 +121,8 @@ class _Sampling(_Model):
     seed: int | None = Field(None, description="a negative seed means random, as in Ollama")
     stop: str | list[str] | None = None
     n: int = Field(1, description="kiln generates one choice per request")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to "
+                                                                  "its logit before sampling")
     speculative: Speculative | None = Field(None, description="kiln extension: speculative decoding; omitted "
                                                               "fields take the server's defaults")
 
@@ -132,7 +134,14 @@ class _Sampling(_Model):
         sampling["seed"] = self.seed if self.seed is not None and self.seed >= 0 else None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         speculative = self.speculative.model_dump(exclude_none=True) if self.speculative else {}
-        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop, "speculative": speculative}
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not -100 <= value <= 100:
+                raise RequestError(f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {value}",
+                                   "logit_bias")
+            bias[int(key)] = value
+        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop, "speculative": speculative,
+                "logit_bias": bias or None}
 
 
 class ChatCompletionRequest(_Sampling):

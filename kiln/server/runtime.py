@@ -67,6 +67,7 @@ class Job:
     json: bool = False
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever
     speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
     # which request fields these are, for error messages
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
@@ -424,8 +425,12 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
         constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
     options = speculative.replace(job.speculative_params, **job.speculative)
     stop = [s for s in job.stop if s] or list(model.stop)
+    bad = next((t for t in job.logit_bias or {} if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary (0..{tok.vocab_size - 1})",
+                           "logit_bias")
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=tok.stop_ids,
-                   logprobs=job.logprobs, constraint=constraint,
+                   logprobs=job.logprobs, constraint=constraint, logit_bias=job.logit_bias,
                    speculation=speculation(options, drafter, job.speculative_params[0]))
     return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
 
