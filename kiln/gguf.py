@@ -24,8 +24,13 @@ from kiln.errors import ModelFileError, UnsupportedModelError
 
 QT = GGMLQuantizationType
 
-# Tensor types kiln runs. Every one of them has a repacked kernel format in the native core.
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# Tensor types kiln runs. These have a repacked kernel format in the native core:
+KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# Types the `gguf` package dequantizes but kiln has no kernel for: the native engine runs their values
+# requantized to Q8_0 at load (twice or more the memory of the original, and as much slower to decode).
+REQUANTIZED_TYPES = (QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S,
+                     QT.IQ1_M, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0)
+SUPPORTED_TYPES = KERNEL_TYPES + REQUANTIZED_TYPES
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

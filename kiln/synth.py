@@ -222,8 +222,26 @@ def _tokenizer_fields(path: str | Path) -> dict:
         g.close()
 
 
+# Where the f16 scales of a block sit, and the largest multiple of them a value reaches: random bits with
+# those scales set give finite values near the float weights' size, for types gguf cannot quantize to.
+_RANDOM_BLOCKS = {QT.Q2_K: ((80, 82), 45), QT.Q3_K: ((108,), 128), QT.IQ4_NL: ((0,), 127), QT.IQ4_XS: ((0,), 3937)}
+
+
+def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
+    (offsets, reach), (block, size) = _RANDOM_BLOCKS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
+    for at in offsets:
+        raw[..., at : at + 2] = scale
+    return raw.reshape(rows, -1)
+
+
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
-    if qtype == QT.F32:
+    if qtype in _RANDOM_BLOCKS:
+        rows, cols = data.shape
+        rng = np.random.default_rng(data.view(np.uint32).ravel()[:8])  # the model's seed decides the bits
+        writer.add_tensor(name, _random_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+    elif qtype == QT.F32:
         writer.add_tensor(name, data)
     elif qtype == QT.F16:
         writer.add_tensor(name, data.astype(np.float16))

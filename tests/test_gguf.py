@@ -71,12 +71,12 @@ def test_flipped_string_length_is_caught(model):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "iq.gguf"
+    path = tmp_path / "q8k.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    raw = np.zeros((4, 18 * 2), dtype=np.uint8)  # IQ4_NL: 18-byte blocks of 32
-    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    raw = np.zeros((4, 292), dtype=np.uint8)  # Q8_K (llama.cpp's intermediate): 292-byte blocks of 256
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(UnsupportedModelError, match=r"'blk.0.attn_q.weight' has type IQ4_NL.*supported: F32"):
+    with pytest.raises(UnsupportedModelError, match=r"'blk.0.attn_q.weight' has type Q8_K.*supported: F32.*IQ4_XS"):
         GGUFFile(path)
 
 

@@ -77,6 +77,24 @@ def test_mixed_batch_of_slots_matches_oracle(tmp_path):
     assert rel_err(native.hidden(2), hidden[:2]) == 0
 
 
+@pytest.mark.parametrize("qtype", [QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])
+def test_types_without_kernels_run_requantized(qtype, tmp_path):
+    """Their values (the gguf package's dequantization) run as Q8_0; an untied embedding table too, read
+    from the arena as a tied one is."""
+    path = write_random_gguf(tmp_path / "r.gguf", "tiny-llama", qtype=qtype, seed=4, dim=256, ffn_dim=512,
+                             head_dim=64)  # K-quant rows are whole 256-weight blocks
+    native, oracle = engines(path)
+    assert native.weights.row_format("token_embd.weight") == (int(QT.Q8_0), 256 // 32 * 34)
+    ids = [int(i) for i in np.random.default_rng(8).integers(3, 500, 48)]
+    a, b = native.forward(ids, all_logits=True), oracle.forward(ids, all_logits=True)
+    assert kld(b, a).mean() < 0.002 and (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+    for loads_from_cache in (False, True):  # the repack cache keeps the requantized rows and their format
+        again = engines(path, cache_dir=tmp_path / "cache")[0]
+        assert again.weights.from_cache == loads_from_cache
+        assert again.weights.row_format("token_embd.weight")[0] == int(QT.Q8_0)
+        assert np.array_equal(again.forward(ids, all_logits=True), a)
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0])
 def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     path = write_random_gguf(tmp_path / "q.gguf", "tiny-qwen3", qtype=qtype, seed=4)

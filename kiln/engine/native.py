@@ -16,13 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gguf_quants
 
 from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.kv import check_span
 from kiln.engine.oracle import rope_angles
 from kiln.errors import KilnError, RequestError
-from kiln.gguf import GGUFFile
+from kiln.gguf import KERNEL_TYPES, GGUFFile
 from kiln.models import Family
 from kiln.models.base import Rope
 
@@ -31,7 +34,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
-CACHE_VERSION = 2  # bumped whenever a packed layout changes
+CACHE_VERSION = 3  # bumped whenever a packed layout (or the cache's index) changes
 
 
 def available() -> bool:
@@ -100,6 +103,7 @@ class PackedWeights:
             gguf.release_pages()
             if cache_dir:
                 self._save(cache_dir, layouts)
+        self.layouts = layouts
         self.mats = {name: _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"],
                                         lay["rows_padded"], lay["tile_bytes"]) for name, lay in layouts.items()}
 
@@ -128,16 +132,22 @@ class PackedWeights:
         for name in names:
             t = self.gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
-            sizes[name] = (t, rows, cols, _native.pack_size(int(t.type), rows, cols))
+            # a type with no kernel format runs requantized (kiln.gguf.REQUANTIZED_TYPES)
+            ggml = int(t.type) if _native.pack_size(int(t.type), rows, cols) else int(QT.Q8_0)
+            sizes[name] = (ggml, rows, cols, _native.pack_size(ggml, rows, cols))
         total, offsets = 0, {}
         for name, (_, _, _, size) in sizes.items():
             offsets[name] = total
             total += -(-size // 4096) * 4096
         self.arena = _native.Arena(max(total, 1))
         layouts = {}
-        for name, (t, rows, cols, _) in sizes.items():
-            m = _native.pack_into(self.arena, offsets[name], int(t.type), self.gguf.raw(name), rows, cols)
-            layouts[name] = dict(m.layout, offset=offsets[name])
+        for name, (ggml, rows, cols, _) in sizes.items():
+            if ggml == int(self.gguf.info(name).type):
+                raw = self.gguf.raw(name)
+            else:  # the gguf package's values, requantized
+                raw = gguf_quants.quantize(self.gguf.dequantize(name).reshape(rows, cols), QT.Q8_0)
+            m = _native.pack_into(self.arena, offsets[name], ggml, raw, rows, cols)
+            layouts[name] = dict(m.layout, offset=offsets[name], ggml_type=ggml)
         return layouts
 
     def _save(self, cache_dir: Path, layouts) -> None:
@@ -164,9 +174,14 @@ class PackedWeights:
         return name in self.mats
 
     def row_format(self, name: str) -> tuple[int, int]:
-        """A tensor's GGUF type and the bytes of one of its rows."""
-        t = self.gguf.info(name)
-        return int(t.type), t.nbytes // t.shape[0]
+        """A tensor's GGUF type and the bytes of one of its rows; for a packed matrix, what its rows unpack
+        to (its own type, or Q8_0 when it was requantized)."""
+        if name not in self.layouts:
+            t = self.gguf.info(name)
+            return int(t.type), t.nbytes // t.shape[0]
+        ggml, cols = self.layouts[name]["ggml_type"], self.layouts[name]["cols"]
+        block, block_bytes = GGML_QUANT_SIZES[QT(ggml)]
+        return ggml, cols // block * block_bytes
 
     def vector(self, name: str) -> np.ndarray:
         if name not in self.vectors:
@@ -184,6 +199,30 @@ class PackedWeights:
     @property
     def nbytes(self) -> int:
         return self.arena.nbytes
+
+
+def packed_names(gguf: GGUFFile, root) -> list[str]:
+    """The matrices the graph multiplies by, then any embedding table of a type with no kernel: packed
+    requantized, it is read as a tied table is (rows unpacked from the arena), since the executor's
+    reads of the file cannot dequantize its type."""
+    names = matrices_of(root)
+    for name in tables_of(root):
+        if name not in names and gguf.info(name).type not in KERNEL_TYPES:
+            names.append(name)
+    return names
+
+
+def tables_of(root) -> list[str]:
+    """Names of the embedding tables the graph reads rows of."""
+    names, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            if node.kind == "embed" and node.params["table"] not in names:
+                names.append(node.params["table"])
+            stack.extend(node.inputs)
+    return names
 
 
 def matrices_of(root) -> list[str]:
@@ -263,7 +302,7 @@ class NativeEngine:
 
         self.processor = f"CPU ({active_isa()}, {self.threads} thread{'s' if self.threads != 1 else ''})"
         root = family.forward(Recorder(), self.config)
-        self.weights = PackedWeights(gguf, matrices_of(root), cache_dir)
+        self.weights = PackedWeights(gguf, packed_names(gguf, root), cache_dir)
         cfg = self.config
         # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
         self.kv_ctx = -(-n_ctx // 8) * 8
