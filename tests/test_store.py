@@ -443,6 +443,17 @@ def test_show_reports_the_real_models(kiln, smollm2_path, gemma3_path):
     # K and V, fp16, per layer and position at the default context of 4096 (whole 2 MiB pages)
     assert info["kv_context"] == 4096 and info["kv_cache_bytes"] == 2 * 2 * 18 * 4096 * 1 * 256
     assert info["footprint_bytes"] == info["kv_cache_bytes"] + info["weights_bytes"] + info["working_bytes"]
+    assert info["requantized"] == []
+
+
+def test_show_says_which_tensors_run_requantized(tmp_path, kiln):
+    from gguf import GGMLQuantizationType as QT
+
+    from kiln.synth import write_random_gguf
+
+    path = write_random_gguf(tmp_path / "q3.gguf", "tiny-llama", qtype=QT.Q3_K, dim=256, ffn_dim=512, head_dim=64)
+    rc, out, _ = kiln("show", str(path))
+    assert rc == 0 and "runs as       Q8_0 for its Q3_K tensors" in out
 
 
 @pytest.mark.slow

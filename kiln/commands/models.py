@@ -126,7 +126,7 @@ def cmd_rm(args) -> int:
 
 def describe(record) -> dict:
     """Everything `kiln show` reports, read from the GGUF file."""
-    from kiln.gguf import GGUFFile
+    from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
     from kiln.store import quantization_name, sha256_file
 
     gguf = GGUFFile(record.path)
@@ -152,6 +152,7 @@ def describe(record) -> dict:
             "parameters": n_params,
             "quantization": quantization_name(gguf),
             "tensor_types": dict(Counter(t.type.name for t in gguf.tensors.values()).most_common()),
+            "requantized": sorted({t.type.name for t in gguf.tensors.values() if t.type in REQUANTIZED_TYPES}),
             "context_length": context,
             "embedding_length": embedding,
             "layers": layers,
@@ -275,6 +276,8 @@ def cmd_show(args) -> int:
         ("family", info["family"]),
         ("parameters", f"{_millions_or_billions(info['parameters'])} ({info['parameters']:,})"),
         ("quantization", f"{info['quantization']} (tensors: {types})"),
+        *([("runs as", f"Q8_0 for its {', '.join(info['requantized'])} tensors: kiln has no kernel for them, so they "
+                       "are requantized at load")] if info["requantized"] else []),
         ("context", info["context_length"]),
         ("embedding", info["embedding_length"]),
         ("layers", info["layers"]),
