@@ -49,6 +49,13 @@ def test_a_modelfile_reads_like_ollamas():
                                                                             recipe.parameters, recipe.license)
 
 
+def test_stop_strings_with_newlines_and_quotes_survive_a_rendered_modelfile():
+    stops = ["\n\n", 'say "stop"', "<|im_end|>"]
+    rendered = render("base:v1", "hi", {"temperature": 0.5, "stop": stops}, None)
+    assert parse(rendered).parameters == {"temperature": 0.5, "stop": stops}
+    assert parse('FROM x\nPARAMETER stop "C:\\dir"').parameters["stop"] == ["C:\\dir"]  # not JSON: as written
+
+
 @pytest.mark.parametrize("text,message", [
     ("SYSTEM hi", "no FROM line"),
     ("FROM x\nTEMPLATE {{ .Prompt }}", "line 2: TEMPLATE is not supported"),

@@ -250,9 +250,10 @@ def cmd_show(args) -> int:
             print(text)
         return 0
     if args.parameters:
-        for name, value in record.effective_parameters().items():
-            for v in value if name == "stop" else [value]:
-                print(f"{name:<16} {json.dumps(v) if name == 'stop' else v}")
+        from kiln.modelfile import parameter_items
+
+        for name, value in parameter_items(record.effective_parameters()):
+            print(f"{name:<16} {value}")
         return 0
     info = describe(record)
     if args.json:

@@ -343,13 +343,12 @@ async def copy(body: CopyRequest, request: Request):
 @router.post("/show", responses=_ERRORS, summary="A model's details, template, parameters and metadata")
 async def show(body: ModelRequest, request: Request):
     from kiln.commands.models import describe, modelfile_of
+    from kiln.modelfile import parameter_items
 
     record = await _runtime(request).resolve(body.tag())
     info = await asyncio.to_thread(describe, record)
     arch = info["family"]
-    parameters = "\n".join(f"{k} {json.dumps(v) if k == 'stop' else v}"
-                           for k, values in record.effective_parameters().items()
-                           for v in (values if k == "stop" else [values]))
+    parameters = "\n".join(f"{name} {value}" for name, value in parameter_items(record.effective_parameters()))
     template = info["chat_template"] or ""
     model_info = {"general.architecture": arch, "general.name": info["name"], "general.parameter_count": info["parameters"],
                   "general.quantization": info["quantization"], f"{arch}.context_length": info["context_length"],
