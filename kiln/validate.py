@@ -249,12 +249,10 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     """What loading `ref` allocates, computed from the GGUF without loading it: the packed weight arena
     (exact: each matrix's packed size rounded as the engine places it), the KV cache (exact) and the
     plans' working buffers (an upper-bound estimate from the shapes)."""
-    from gguf import GGMLQuantizationType as QT
-
     from kiln import _native
     from kiln.engine.compile import Recorder
     from kiln.engine.model import DEFAULT_CTX
-    from kiln.engine.native import NativeEngine, packed_names
+    from kiln.engine.native import NativeEngine, packed_names, packed_type
     from kiln.errors import KilnError
     from kiln.gguf import GGUFFile
     from kiln.models import family_for
@@ -274,7 +272,7 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
         for name in packed_names(gguf, root):
             t = gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
-            size = _native.pack_size(int(t.type), rows, cols) or _native.pack_size(int(QT.Q8_0), rows, cols)
+            size = _native.pack_size(packed_type(int(t.type), rows, cols), rows, cols)
             weights += -(-size // 4096) * 4096
         huge = 2 * MiB  # arenas are whole huge pages
         weights = -(-max(weights, 1) // huge) * huge

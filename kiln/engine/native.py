@@ -132,8 +132,7 @@ class PackedWeights:
         for name in names:
             t = self.gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
-            # a type with no kernel format runs requantized (kiln.gguf.REQUANTIZED_TYPES)
-            ggml = int(t.type) if _native.pack_size(int(t.type), rows, cols) else int(QT.Q8_0)
+            ggml = packed_type(int(t.type), rows, cols)
             sizes[name] = (ggml, rows, cols, _native.pack_size(ggml, rows, cols))
         total, offsets = 0, {}
         for name, (_, _, _, size) in sizes.items():
@@ -199,6 +198,12 @@ class PackedWeights:
     @property
     def nbytes(self) -> int:
         return self.arena.nbytes
+
+
+def packed_type(ggml: int, rows: int, cols: int) -> int:
+    """The GGUF type a tensor is packed as: its own, or Q8_0 for one with no kernel format
+    (kiln.gguf.REQUANTIZED_TYPES), whose values are requantized."""
+    return ggml if _native.pack_size(ggml, rows, cols) else int(QT.Q8_0)
 
 
 def packed_names(gguf: GGUFFile, root) -> list[str]:

@@ -108,7 +108,7 @@ class _Generation(_Model):
                 "max_tokens": o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
                 "max_tokens_param": "options.num_predict",
                 "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
-                "keep_alive": DEFAULT if self.keep_alive is None else parse_keep_alive(self.keep_alive),
+                "keep_alive": _keep_alive(self.keep_alive),
                 "json": bool(self.format), "schema": self.format if isinstance(self.format, dict) else None,
                 "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
                 "speculative": {k: v for k, v in (("mode", o.draft), ("max", o.draft_max), ("ngram", o.draft_ngram))
@@ -234,7 +234,7 @@ async def embed(body: EmbedRequest, request: Request):
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if not inputs:
         raise RequestError("input is empty", "input")
-    keep_alive = DEFAULT if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+    keep_alive = _keep_alive(body.keep_alive)
     result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input")
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
@@ -245,7 +245,7 @@ async def embed(body: EmbedRequest, request: Request):
 @router.post("/embeddings", responses=_ERRORS, summary="Embedding of one prompt, not normalized (older API)")
 async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     runtime = _runtime(request)
-    keep_alive = DEFAULT if body.keep_alive is None else parse_keep_alive(body.keep_alive)
+    keep_alive = _keep_alive(body.keep_alive)
     if not body.prompt:
         await runtime.preload(body.model, keep_alive)
         return {"embedding": []}
@@ -490,6 +490,11 @@ async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict) 
         return {**_head(record.tag), **body, "done": True, "done_reason": "unload"}
     loaded = await runtime.preload(model, keep_alive)
     return {**_head(loaded.tag), **body, "done": True, "done_reason": "load"}
+
+
+def _keep_alive(value) -> float | None | str:
+    """A request's keep_alive in seconds (None: forever), or DEFAULT when it gives none."""
+    return DEFAULT if value is None else parse_keep_alive(value)
 
 
 def _ndjson(lines) -> StreamingResponse:

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.errors import KilnError, RequestError
-from kiln.server.openai import _ERRORS, _runtime, timings
+from kiln.errors import RequestError
+from kiln.server.openai import _ERRORS, _raise_engine_error, _runtime, timings
 from kiln.server.runtime import Delta, Final, Job
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -150,8 +150,7 @@ async def responses(body: ResponseRequest, request: Request):
     if body.stream:
         return _events(_stream(generation.events(request), shell))
     _, final = await generation.collect(request)
-    if final.error:
-        raise KilnError(final.error)
+    _raise_engine_error(final)
     message_id = f"msg_{uuid.uuid4().hex}"
     return _finished(shell, final, _output(final, message_id))
 
