@@ -304,7 +304,7 @@ class Scheduler:
         sampled one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
         jobs, where = [], []
         for i, (req, _, start, n) in enumerate(spans):
-            if n == 1 and req.seq.constraint is None and not req.seq.logit_bias and not req.embed:
+            if n == 1 and not req.seq.adjusts_logits and not req.embed:
                 jobs.append((req.seq.sampler, start, req.seq.all_ids))
                 where.append(i)
         tokens: list[int | None] = [None] * len(spans)

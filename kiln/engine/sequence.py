@@ -114,6 +114,13 @@ class Sequence:
         self.started = self._last = time.perf_counter()
 
     @property
+    def adjusts_logits(self) -> bool:
+        """A grammar or a logit bias changes this sequence's logits before sampling: its rows are sampled
+        here, one by one, not with a step's others, and it is not drafted for (verification samples the
+        unadjusted distributions)."""
+        return self.constraint is not None or bool(self.logit_bias)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -118,10 +118,10 @@ class Draft:
 
 def draft_limit(seq) -> int:
     """How many tokens may be drafted for `seq` this pass: its current draft length, and one less than
-    it may still generate (the pass adds one token of the target's own); none under a grammar or a
-    logit bias (verification samples the unbiased distributions)."""
+    it may still generate (the pass adds one token of the target's own); none when a grammar or a bias
+    adjusts its logits."""
     spec = seq.speculation
-    if spec is None or seq.constraint is not None or seq.logit_bias:
+    if spec is None or seq.adjusts_logits:
         return 0
     return max(0, min(spec.length, seq.max_tokens - len(seq.output_ids) - 1))
 
