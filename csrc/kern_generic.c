@@ -32,14 +32,19 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
         for (int i = 0; i < 32; i++) {
             int x = (int8_t)ag[kiln_act_byte(nb, j, i)], w;
             switch (f) {
-            case WF_Q4S: w = stored_q(f, q, nb, j, i) - 8; break;
-            case WF_Q5: w = stored_q(f, q, nb, j, i) - 16; break;
             case WF_Q8: w = (int8_t)q[lane_byte(nb, j, i)]; break;
             case WF_Q6K: w = ((int8_t)h[2 + 2 * j + i / 16]) * (stored_q(f, q, nb, j, i) - 32); break;
-            default: w = stored_q(f, q, nb, j, i); /* Q4, Q4K, Q5K: unsigned, scale / min below */
+            default: w = stored_q(f, q, nb, j, i); /* Q4, Q4K, Q5K: unsigned, scale / min below; Q4S, Q5: offset below */
             }
             isum += w * x;
         }
+        /* Q4S / Q5 subtract their offset through the activation's block sum, as the SIMD kernels do: the
+           same integer while the sum is the block's, and the same result when a caller shifts it (plan.c's
+           split output head) */
+        int32_t sum32;
+        memcpy(&sum32, ag + KILN_AG_SUM32 + 4 * j, 4);
+        if (f == WF_Q4S) isum -= 8 * sum32;
+        if (f == WF_Q5) isum -= 16 * sum32;
         float dx = rdf32(ag + KILN_AG_D + 4 * j), sx = rdf32(ag + KILN_AG_S + 4 * j);
         switch (f) {
         case WF_Q4:

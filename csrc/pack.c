@@ -348,3 +348,55 @@ int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst) {
     }
     return 0;
 }
+
+/* ---- A split int8 matrix (the output head; plan.c says why) ---------------------------------------- */
+
+/* fp16 bits of 8 times fp16 `h` (exact: only the exponent moves), or -1 when that overflows. */
+static int f16_times8(uint16_t h) {
+    int sign = h & 0x8000, exp = h >> 10 & 31, man = h & 0x3ff;
+    if (exp == 31) return -1;
+    if (exp) return exp + 3 >= 31 ? -1 : sign | (exp + 3) << 10 | man;
+    man <<= 3; /* a subnormal is man * 2^-24 */
+    if (man < 0x400) return sign | man;
+    for (exp = 1; man >= 0x800; exp++) man >>= 1; /* the low bits shifted out are the three zeros */
+    return sign | exp << 10 | (man & 0x3ff);
+}
+
+int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *lo) {
+    for (size_t b = 0; b < n_blocks; b++) {
+        const uint8_t *s = src + 34 * b;
+        uint8_t *h = hi + 22 * b, *l = lo + 18 * b;
+        int d8 = f16_times8(rd16(s));
+        if (d8 < 0) return -1;
+        wr16(h, (uint16_t)d8);
+        wr16(l, rd16(s));
+        uint32_t high_bits = 0;
+        memset(h + 6, 0, 16);
+        memset(l + 2, 0, 16);
+        for (int i = 0; i < 32; i++) {
+            int q = (int8_t)s[2 + i], u = (q >> 3) + 16, n = (q & 7) + 8; /* q = 8 * (u - 16) + (n - 8) */
+            high_bits |= (uint32_t)(u >> 4) << i;
+            h[6 + (i & 15)] |= (uint8_t)((u & 15) << (i >= 16 ? 4 : 0));
+            l[2 + (i & 15)] |= (uint8_t)(n << (i >= 16 ? 4 : 0));
+        }
+        for (int k = 0; k < 4; k++) h[2 + k] = (uint8_t)(high_bits >> 8 * k);
+    }
+    return 0;
+}
+
+int kiln_unpack_split_row(const kiln_wmat *hi, const kiln_wmat *lo, int row, uint8_t *dst, uint8_t *work) {
+    if (hi->fmt != WF_Q5 || lo->fmt != WF_Q4S || hi->rows != lo->rows || hi->cols != lo->cols) return -1;
+    int nb = hi->cols / 32;
+    uint8_t *h = work, *l = work + (size_t)nb * 22;
+    if (kiln_unpack_row(hi, row, h) < 0 || kiln_unpack_row(lo, row, l) < 0) return -1;
+    for (int b = 0; b < nb; b++, h += 22, l += 18, dst += 34) {
+        uint32_t high_bits = (uint32_t)h[2] | (uint32_t)h[3] << 8 | (uint32_t)h[4] << 16 | (uint32_t)h[5] << 24;
+        wr16(dst, rd16(l));
+        for (int i = 0; i < 32; i++) {
+            int shift = i >= 16 ? 4 : 0;
+            int u = (h[6 + (i & 15)] >> shift & 15) | (int)(high_bits >> i & 1) << 4, n = l[2 + (i & 15)] >> shift & 15;
+            dst[2 + i] = (uint8_t)(int8_t)(8 * (u - 16) + (n - 8));
+        }
+    }
+    return 0;
+}

@@ -480,6 +480,50 @@ static void glu_compute(void *ctx, int c, int thread) {
     for (int t = 0; t < j->n_rows; t++) glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 
+/* The split output head. An int8 head (Q8_0, w = d*q: SmolLM2's tied table is a third of a decode step's
+ * bytes, Gemma3's two thirds) is packed as two plain kernel matrices: hi = q >> 3, the top 5 bits (Q5_0 with
+ * scale 8d), and lo = q & 7, the low 3 (Q4_0 with scale d, stored as lo + 8). Every logit is first computed
+ * from hi alone, 22 of the 34 bytes a block, taking each weight's missing low bits at their midpoint 3.5;
+ * the logits within SPLIT_MARGIN of their row's best then add lo's share, which makes them exact.
+ * Neither kernel changes: Q5_0 and Q4_0 subtract their offsets (16, 8) through the activation's block sums
+ * (kernels.h), so the midpoint and the correction are folded into copies of the activation rows with
+ * shifted sums (act[1]): the first pass reads sum' = round(sum * 249/256), an offset of 16 - 7/16 (+3.5d a
+ * weight); lo reads sum'' = 17 sum - 16 sum', which also returns what sum' took from hi's result.
+ * The first pass errs by 0.37 (std of a SmolLM2 logit). `kiln eval kld` (Moby-Dick, 16 windows) against
+ * the whole head: SmolLM2 0.00114 -> 0.00184, Gemma3 0.00093 -> 0.00133, top-1 agreement within its error
+ * (docs/PERF.md). Which logits are refined depends on the row alone, as below. */
+#define SPLIT_MARGIN 10.0f
+
+static int split(const kiln_op *op) { return op->kind == OP_LOGITS && op->w2 != NULL; }
+
+/* Whether the logits op has a second pass: a split head's remainder, or precise activations' second rows. */
+static int refines(const kiln_op *op) { return split(op) || paired(op, op->w); }
+
+static void set_block_sums(uint8_t *act_row, int cols, int32_t (*shift)(int32_t)) {
+    for (int g = 0; g * KILN_GROUP < cols; g++) {
+        int32_t sums[8];
+        uint8_t *at = act_row + (size_t)g * KILN_AG_BYTES + KILN_AG_SUM32;
+        memcpy(sums, at, sizeof sums);
+        for (int l = 0; l < 8; l++) sums[l] = shift(sums[l]); /* every lane: repeated and zero blocks stay so */
+        memcpy(at, sums, sizeof sums);
+    }
+}
+static int32_t midpoint_sum(int32_t s) { return (249 * s + 128) >> 8; }
+static int32_t remainder_sum(int32_t s) { return 17 * s - 16 * midpoint_sum(s); }
+
+/* act[1]: the n_out first rows with midpoint sums, then again with remainder sums. */
+static void split_activations(const kiln_op *op, int n_out) {
+    size_t stride = kiln_act_stride(op->w->fmt, op->cols);
+    for (int t = 0; t < n_out; t++) {
+        const uint8_t *first = (const uint8_t *)op->act[0] + (size_t)t * stride;
+        uint8_t *mid = (uint8_t *)op->act[1] + (size_t)t * stride, *rem = mid + (size_t)n_out * stride;
+        memcpy(mid, first, stride);
+        memcpy(rem, first, stride);
+        set_block_sums(mid, op->cols, midpoint_sum);
+        set_block_sums(rem, op->cols, remainder_sum);
+    }
+}
+
 /* A chunk's logits (n_out rows of r1 - r0), then each row's largest of them. */
 static void logits_compute(void *ctx, int c, int thread) {
     const job *j = ctx;
@@ -488,8 +532,8 @@ static void logits_compute(void *ctx, int c, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *y = scratch(j->plan, thread), *best = y + (size_t)j->n_out * n;
-    matmul_rows(op->w, op->act[op->w_act], j->n_out, y, r0, r1);
-    if (!paired(op, op->w)) return;
+    matmul_rows(op->w, split(op) ? op->act[1] : op->act[op->w_act], j->n_out, y, r0, r1);
+    if (!refines(op)) return;
     for (int t = 0; t < j->n_out; t++) {
         const float *yt = y + (size_t)t * n;
         float m[8]; /* 8 running maxima: no chain of dependent compares (a NaN never wins either way) */
@@ -513,62 +557,95 @@ static void logits_compute(void *ctx, int c, int thread) {
  * vocabulary to the tiles holding a few hundred candidates. */
 #define LOGIT_MARGIN 4.0f
 
-/* Each row's floor from its chunks' maxima, and the chunks holding a logit above some row's floor. */
+/* Each row's floors from its chunks' maxima, and the chunks holding a logit above some row's lowest floor. */
 static int set_logit_floors(kiln_plan *p, const kiln_op *op, int n_out, int n_chunks) {
     for (int t = 0; t < n_out; t++) {
         float m = -INFINITY;
         for (int c = 0; c < n_chunks; c++) m = p->chunk_best[(size_t)c * n_out + t] > m ? p->chunk_best[(size_t)c * n_out + t] : m;
         p->logit_floor[t] = m - LOGIT_MARGIN;
+        p->remainder_floor[t] = m - SPLIT_MARGIN;
     }
+    const float *lowest = split(op) ? p->remainder_floor : p->logit_floor;
     int n = 0;
     for (int c = 0; c < n_chunks; c++)
         for (int t = 0; t < n_out; t++)
-            if (p->chunk_best[(size_t)c * n_out + t] >= p->logit_floor[t]) {
+            if (p->chunk_best[(size_t)c * n_out + t] >= lowest[t]) {
                 p->refine_chunks[n++] = c;
                 break;
             }
     return n;
 }
 
-/* Whether output row t refines any logit of tile `tile` (rows [a, b) of the vocabulary). */
-static int tile_refined(const kiln_plan *p, const kiln_op *op, int t, int a, int b) {
+/* Whether output row t has a logit at or above `floor` in rows [a, b) of the vocabulary (one tile). */
+static int tile_refined(const kiln_op *op, int t, int a, int b, float floor) {
     const float *y = op->out + (size_t)t * op->rows;
     int hit = 0;
-    for (int r = a; r < b; r++) hit |= y[r] >= p->logit_floor[t];
+    for (int r = a; r < b; r++) hit |= y[r] >= floor;
     return hit;
 }
 
-/* The second rows' share of chunk c's logits (zero where not refined), into scratch. The tiles some
- * row needs are scattered over the vocabulary: each is prefetched while the one before is computed,
- * and a tile several rows need is read once for all of them. */
+/* part[a - r0 .. b - r0) += tile `tile` of w times one activation row. */
+static void add_tile(const kiln_wmat *w, const uint8_t *act, int tile, float *part, int r0) {
+    float v[KILN_TILE_ROWS];
+    int a = tile * KILN_TILE_ROWS, b = a + KILN_TILE_ROWS < w->rows ? a + KILN_TILE_ROWS : w->rows;
+    kiln_matmul(w, act, 1, v - a, KILN_TILE_ROWS, tile, tile + 1);
+    for (int r = a; r < b; r++) part[r - r0] += v[r - a];
+}
+
+/* What refining adds to chunk c's logits (zero where nothing is refined), into scratch: a split head's
+ * remainder, and the second rows' share. The tiles some row needs are scattered over the vocabulary:
+ * each is prefetched while the one before is computed, and a tile several rows need is read once for all
+ * of them. */
 static void refine_compute(void *ctx, int i, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
-    int c = j->plan->refine_chunks[i];
-    const kiln_wmat *w = op->w;
+    const kiln_plan *p = j->plan;
+    int c = p->refine_chunks[i];
+    const kiln_wmat *w = op->w, *streamed = split(op) ? op->w2 : op->w;
+    const float *lowest = split(op) ? p->remainder_floor : p->logit_floor;
     int r0, r1;
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0, n_out = j->n_out, n_hits = 0;
     size_t stride = kiln_act_stride(w->fmt, w->cols);
     const uint8_t *second = (const uint8_t *)op->act[op->w_act] + (size_t)n_out * stride;
-    float *part = scratch(j->plan, thread);
+    const uint8_t *remainder = split(op) ? (const uint8_t *)op->act[1] + (size_t)n_out * stride : NULL;
+    float *part = scratch(p, thread);
     int *hits = (int *)(part + (size_t)n_out * n); /* the chunk's tiles some row refines */
     memset(part, 0, sizeof(float) * (size_t)n_out * n);
     for (int a = r0; a < r1; a += 4)
         for (int t = 0; t < n_out; t++)
-            if (tile_refined(j->plan, op, t, a, a + 4 < r1 ? a + 4 : r1)) {
+            if (tile_refined(op, t, a, a + 4 < r1 ? a + 4 : r1, lowest[t])) {
                 hits[n_hits++] = a / 4;
                 break;
             }
+    /* A flat distribution (random tokens, llama-bench's method) puts most of the vocabulary within the
+     * margin: then lo is streamed over the whole chunk for every row at once, and added where refined. */
+    int dense = split(op) && 4 * n_hits > (n + 3) / 4; /* past a quarter of its tiles (per tile: ~4x a streamed one) */
+    if (dense) {
+        float *all = (float *)(hits + n / 4 + 1);
+        kiln_matmul(op->w2, remainder, n_out, all - r0, n, r0 / 4, (r1 + 3) / 4);
+        for (int t = 0; t < n_out; t++)
+            for (int a = r0; a < r1; a += 4) {
+                int b = a + 4 < r1 ? a + 4 : r1;
+                if (tile_refined(op, t, a, b, p->remainder_floor[t]))
+                    for (int r = a; r < b; r++) part[(size_t)t * n + r - r0] += all[(size_t)t * n + r - r0];
+            }
+    }
     for (int i = 0; i < n_hits; i++) {
-        if (i + 1 < n_hits) {
-            const char *next = (const char *)w->data + (size_t)hits[i + 1] * w->tile_bytes;
-            for (size_t o = 0; o < w->tile_bytes; o += 64) __builtin_prefetch(next + o);
+        if (i + 1 < n_hits && !dense) {
+            const char *next = (const char *)streamed->data + (size_t)hits[i + 1] * streamed->tile_bytes;
+            for (size_t o = 0; o < streamed->tile_bytes; o += 64) __builtin_prefetch(next + o);
         }
         int a = hits[i] * 4, b = a + 4 < r1 ? a + 4 : r1;
-        for (int t = 0; t < n_out; t++)
-            if (tile_refined(j->plan, op, t, a, b))
-                kiln_matmul(w, second + (size_t)t * stride, 1, part + (size_t)t * n - r0, n, hits[i], hits[i] + 1);
+        for (int t = 0; t < n_out; t++) {
+            float *pt = part + (size_t)t * n;
+            if (split(op) && !dense && tile_refined(op, t, a, b, p->remainder_floor[t]))
+                add_tile(op->w2, remainder + (size_t)t * stride, hits[i], pt, r0);
+            if (paired(op, w) && tile_refined(op, t, a, b, p->logit_floor[t])) {
+                add_tile(w, second + (size_t)t * stride, hits[i], pt, r0);
+                if (split(op)) add_tile(op->w2, second + (size_t)t * stride, hits[i], pt, r0);
+            }
+        }
     }
 }
 
@@ -590,7 +667,7 @@ static void logits_commit(void *ctx, int c, int thread) {
     const job *j = ctx;
     const kiln_op *op = j->op;
     commit_rows(j, op->out, op->rows, j->n_out, c, thread);
-    if (paired(op, op->w)) {
+    if (refines(op)) {
         int r0, r1;
         chunk_rows(op, c, &r0, &r1);
         memcpy(j->plan->chunk_best + (size_t)c * j->n_out, scratch(j->plan, thread) + (size_t)j->n_out * (r1 - r0),
@@ -613,8 +690,13 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
             float *x = op->out + (size_t)t * op->cols;
             uint8_t *row = (uint8_t *)scratch(p, 0); /* a row is at most cols floats */
             off_t at = (off_t)(op->table_offset + (size_t)p->tokens[t] * op->table_row_bytes);
-            if (op->table_w ? kiln_unpack_row(op->table_w, p->tokens[t], row) < 0
-                            : pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes) {
+            /* a split head's two rows unpack through the scratch past the row (cols floats hold 128 bytes a
+             * block of 32: the Q8_0 row's 34, then hi's 22 and lo's 18) */
+            int failed = op->table_w2 ? kiln_unpack_split_row(op->table_w, op->table_w2, p->tokens[t], row,
+                                                              row + (size_t)op->cols / 32 * 34) < 0
+                         : op->table_w ? kiln_unpack_row(op->table_w, p->tokens[t], row) < 0
+                                       : pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes;
+            if (failed) {
                 p->error = op->table_w ? EINVAL : errno ? errno : EIO;
                 memset(x, 0, sizeof(float) * op->cols);
                 continue;
@@ -634,8 +716,9 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     case OP_MATMUL: return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(op));
     case OP_GLU: return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(op));
     case OP_LOGITS: {
+        if (split(op)) split_activations(op, n_out);
         int64_t wait = kiln_pool_run(p->pool, logits_compute, logits_commit, j, chunks_of(op));
-        if (!paired(op, op->w)) return wait;
+        if (!refines(op)) return wait;
         int n_refine = set_logit_floors(p, op, n_out, chunks_of(op));
         return wait + kiln_pool_run(p->pool, refine_compute, refine_commit, j, n_refine);
     }

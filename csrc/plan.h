@@ -57,13 +57,13 @@ typedef struct kiln_op {
     kiln_wfmt act_fmt[MAX_ACTS];
     void *act[MAX_ACTS];
     /* weights */
-    const kiln_wmat *w, *w2; /* matmul / logits: w; glu: gate w, up w2 */
+    const kiln_wmat *w, *w2; /* matmul: w; glu: gate w, up w2; logits: w, or a split head's hi w and lo w2 */
     int w_act, w2_act;       /* index into act[] each weight consumes */
     const float *bias;
     int glu_act;
     /* embedding table: a packed matrix the output head shares (table_w, its rows unpacked to GGUF bytes),
-     * else read in place from the GGUF file one row per token (GGUF layout) */
-    const kiln_wmat *table_w;
+     * else read in place from the GGUF file one row per token (GGUF layout); table_w2: a split head's lo */
+    const kiln_wmat *table_w, *table_w2;
     int table_fd;
     size_t table_offset;
     int table_type;
@@ -105,7 +105,8 @@ struct kiln_plan {
     size_t *attn_floats0;  /* attention: where each block's partial results start in attn_partial */
     float *attn_partial;   /* attention: every chunk's (o, m, l) for the merge */
     size_t attn_partial_bytes;
-    float *logit_floor; /* output head: per logits row, the floor above which logits are refined */
+    float *logit_floor; /* output head: per logits row, the floor above which the second rows refine */
+    float *remainder_floor; /* split output head: per logits row, the floor above which lo's share is added */
     float *chunk_best;  /* output head: per chunk and logits row, the chunk's largest logit */
     int32_t *refine_chunks; /* output head: the chunks the refinement pass visits */
     int n_blocks;

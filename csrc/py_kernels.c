@@ -182,6 +182,69 @@ static PyObject *py_unpack_row(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* split_q8_0(src) -> (hi, lo) GGUF bytes of a Q8_0 tensor split in two (kernels.h), or None if it cannot be */
+static PyObject *py_split_q8_0(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    if (src.len % 34) {
+        PyBuffer_Release(&src);
+        return PyErr_Format(PyExc_ValueError, "Q8_0 data of %zd bytes is not whole 34-byte blocks", src.len);
+    }
+    size_t n = (size_t)src.len / 34;
+    PyObject *hi = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(22 * n)), *lo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(18 * n));
+    if (!hi || !lo) {
+        Py_XDECREF(hi);
+        Py_XDECREF(lo);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kiln_split_q8_0(src.buf, n, (uint8_t *)PyBytes_AS_STRING(hi), (uint8_t *)PyBytes_AS_STRING(lo));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    if (rc < 0) {
+        Py_DECREF(hi);
+        Py_DECREF(lo);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(NN)", hi, lo);
+}
+
+/* unpack_split_row(rows, cols, hi_tile_bytes, hi_data, lo_tile_bytes, lo_data, row, out): a row of a split
+   pair back to its Q8_0 bytes */
+static PyObject *py_unpack_split_row(PyObject *self, PyObject *args) {
+    int rows, cols, row;
+    Py_ssize_t hi_tb, lo_tb;
+    PyObject *ho, *lo_o, *oo;
+    if (!PyArg_ParseTuple(args, "iinOnOiO", &rows, &cols, &hi_tb, &ho, &lo_tb, &lo_o, &row, &oo)) return NULL;
+    int tiles = (rows + 3) / 4;
+    if (rows <= 0 || cols <= 0 || cols % 32 || (size_t)hi_tb != kiln_tile_bytes(WF_Q5, cols) ||
+        (size_t)lo_tb != kiln_tile_bytes(WF_Q4S, cols))
+        return PyErr_Format(PyExc_ValueError, "bad split matrix: %d x %d, tile_bytes %zd and %zd", rows, cols, hi_tb, lo_tb);
+    if (row < 0 || row >= rows) return PyErr_Format(PyExc_IndexError, "row %d of a matrix of %d rows", row, rows);
+    Py_buffer hb, lb, ob;
+    if (get_buf(ho, &hb, 0, tiles * hi_tb + KILN_PACK_SLACK, "packed high bits")) return NULL;
+    if (get_buf(lo_o, &lb, 0, tiles * lo_tb + KILN_PACK_SLACK, "packed low bits")) {
+        PyBuffer_Release(&hb);
+        return NULL;
+    }
+    if (get_buf(oo, &ob, 1, (Py_ssize_t)cols / 32 * 34, "row buffer")) {
+        PyBuffer_Release(&hb);
+        PyBuffer_Release(&lb);
+        return NULL;
+    }
+    kiln_wmat hi = {WF_Q5, rows, cols, tiles * 4, (size_t)hi_tb, hb.buf}, lo = {WF_Q4S, rows, cols, tiles * 4, (size_t)lo_tb, lb.buf};
+    uint8_t *work = PyMem_RawMalloc((size_t)cols / 32 * 40);
+    if (work) kiln_unpack_split_row(&hi, &lo, row, ob.buf, work);
+    PyMem_RawFree(work);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&ob);
+    if (!work) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1) */
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int fmt, rows, cols, n, ldy, tile0, tile1;
@@ -285,6 +348,9 @@ PyMethodDef kernel_methods[] = {
     {"act_size", py_act_size, METH_VARARGS, "act_size(fmt, cols, n_tok) -> bytes."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(fmt, x, ldx, cols, n_tok, act)."},
     {"unpack_row", py_unpack_row, METH_VARARGS, "unpack_row(ggml_type, rows, cols, tile_bytes, data, row, out)."},
+    {"split_q8_0", py_split_q8_0, METH_VARARGS, "split_q8_0(src) -> (hi, lo) GGUF bytes (Q5_0, Q4_0), or None."},
+    {"unpack_split_row", py_unpack_split_row, METH_VARARGS,
+     "unpack_split_row(rows, cols, hi_tile_bytes, hi_data, lo_tile_bytes, lo_data, row, out)."},
     {"quantize_act_pair", py_quantize_act_pair, METH_VARARGS, "quantize_act_pair(fmt, x, cols, first, second)."},
     {"matmul", py_matmul, METH_VARARGS, "matmul(fmt, rows, cols, tile_bytes, data, act, n_tok, y, ldy, tile0, tile1)."},
     {"huge_buffer", py_huge_buffer, METH_VARARGS, "huge_buffer(size) -> writable buffer on huge pages."},

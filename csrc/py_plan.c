@@ -274,6 +274,7 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.attn_floats0);
     if (p->plan.attn_partial) munmap(p->plan.attn_partial, p->plan.attn_partial_bytes);
     PyMem_Free(p->plan.logit_floor);
+    PyMem_Free(p->plan.remainder_floor);
     PyMem_Free(p->plan.chunk_best);
     PyMem_Free(p->plan.refine_chunks);
     PyMem_Free(p->plan.scratch);
@@ -332,6 +333,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     else madvise(k->attn_partial, k->attn_partial_bytes, MADV_NOHUGEPAGE);
 #endif
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
+    k->remainder_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
     k->chunk_best = PyMem_Calloc(head_chunks * (size_t)rows + 1, sizeof(float));
     k->refine_chunks = PyMem_Calloc(head_chunks + 1, sizeof(int32_t));
     k->pool = ((Pool *)pool)->pool;
@@ -342,7 +344,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->chunk_best || !k->refine_chunks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
+    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->remainder_floor || !k->chunk_best || !k->refine_chunks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
         !k->op_t1_ns) {
         PyBuffer_Release(&ops);
         Py_DECREF(p);
@@ -454,7 +456,7 @@ static const struct {
     FIELD(select_rows, 'i'), FIELD(n_act, 'i'), FIELD(act_fmt[0], 'i'), FIELD(act_fmt[1], 'i'),
     FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'),
     FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
-    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_w, 'p'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
+    FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_w, 'p'), FIELD(table_w2, 'p'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
     FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
     FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
     FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),

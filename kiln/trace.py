@@ -45,7 +45,7 @@ class OpInfo:
     kind: str  # OP_* name without the prefix
     op_class: int
     layer: int | None  # None: outside the transformer blocks (embedding, final norm, lm head)
-    weight_bytes: int  # packed matrix bytes the op streams per call
+    weight_bytes: int  # packed matrix bytes the op streams per call (a split head: its first pass)
     chunks: int  # chunks the op is split into for one sequence's decode row (1: calling thread only)
 
 

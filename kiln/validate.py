@@ -252,7 +252,7 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     from kiln import _native
     from kiln.engine.compile import Recorder
     from kiln.engine.model import DEFAULT_CTX
-    from kiln.engine.native import NativeEngine, packed_names, packed_type
+    from kiln.engine.native import NativeEngine, heads_of, packed_names, packed_parts
     from kiln.errors import KilnError
     from kiln.gguf import GGUFFile
     from kiln.models import family_for
@@ -272,8 +272,8 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
         for name in packed_names(gguf, root):
             t = gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
-            size = _native.pack_size(packed_type(int(t.type), rows, cols), rows, cols)
-            weights += -(-size // 4096) * 4096
+            for ggml in packed_parts(int(t.type), rows, cols, split=name in heads_of(root)):
+                weights += -(-_native.pack_size(ggml, rows, cols) // 4096) * 4096
         huge = 2 * MiB  # arenas are whole huge pages
         weights = -(-max(weights, 1) // huge) * huge
         kv_ctx = -(-n_ctx // 8) * 8  # the engine keeps keys in whole groups of 8 positions

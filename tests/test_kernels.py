@@ -260,6 +260,55 @@ def test_packed_rows_unpack_to_their_gguf_bytes(t):
         K.unpack_row(pm, int(t), rows)
 
 
+def test_split_q8_0_is_exact():
+    """An int8 head splits into Q5_0 (q >> 3, scale 8d) and Q4_0 (q & 7) whose values add up to the Q8_0
+    values exactly, with subnormal and large scales too, and whose packed rows unpack to the Q8_0 bytes."""
+    rng = rng_for("split")
+    for rows, cols in [(7, 576), (6, 640), (5, 96), (3, 32)]:
+        raw = random_weights(QT.Q8_0, rows, cols, rng).copy()
+        d = raw.reshape(rows, -1, 34)[:, :, :2]
+        d[0, 0] = np.frombuffer(np.float16(3e-7).tobytes(), np.uint8)  # subnormal: 8d stays exact
+        d[-1, -1] = np.frombuffer(np.float16(-4000.0).tobytes(), np.uint8)  # 8d = -32000 still fits
+        hi, lo = K.split_q8_0(raw, rows)
+        want = dequant(QT.Q8_0, raw, rows, cols)
+        assert np.array_equal(dequant(QT.Q5_0, hi, rows, cols) + dequant(QT.Q4_0, lo, rows, cols), want), ctx(rows, cols)
+        ph, pl = K.pack(QT.Q5_0, hi, rows, cols), K.pack(QT.Q4_0, lo, rows, cols)
+        for r in range(rows):
+            assert np.array_equal(K.unpack_split_row(ph, pl, r), raw[r]), ctx(f"{rows}x{cols}", f"row {r}")
+    raw[0, :2] = np.frombuffer(np.float16(9000.0).tobytes(), np.uint8)
+    assert K.split_q8_0(raw, rows) is None  # 8 x 9000 overflows fp16
+
+
+@pytest.mark.parametrize("t", (QT.Q4_0, QT.Q5_0), ids=lambda t: t.name)
+def test_offsets_come_from_the_block_sums(t, isa):
+    """Q4_0 and Q5_0 subtract their offsets (8, 16) through the activation's block sums in every ISA, so a
+    caller that shifts a sum (the split head does) shifts the result by offset x shift x scales."""
+    rng = rng_for("sums", t, isa)
+    off = 8 if t == QT.Q4_0 else 16
+    for rows, cols in [(5, 576), (7, 640), (3, 1536)]:
+        raw = random_weights(t, rows, cols, rng)
+        pm = K.pack(t, raw, rows, cols)
+        act = K.quantize_act(pm.fmt, activations(t, 1, cols, rng))
+        y = K.matmul(pm, act, 1)
+        shifted = act.copy()
+        groups = shifted.reshape(-1, 384)
+        sums = groups[:, 320:352].view(np.int32)
+        delta = rng.integers(-50, 50, sums.shape).astype(np.int32)
+        if cols % 256 == 64:  # a shared tail's lanes repeat blocks 0 and 1
+            delta[-1, 2:] = np.tile(delta[-1, :2], 3)
+        sums += delta
+        got = K.matmul(pm, shifted, 1)
+        da = groups[:, 256:288].view(np.float32)
+        scales = np.frombuffer(np.ascontiguousarray(raw).reshape(rows, -1, GGML_QUANT_SIZES[t][1])[:, :, :2].tobytes(),
+                               np.float16).reshape(rows, -1).astype(np.float64)
+        nb = cols // 32
+        shift = (delta.astype(np.float64) * da).reshape(-1)[: 8 * ((nb + 7) // 8)]
+        lanes = [g * 8 + j for g in range((nb + 7) // 8) for j in range(min(8, nb - 8 * g))]
+        want = y - off * scales[:, : len(lanes)] @ shift[lanes]
+        assert np.abs(got - y).max() > 1e-3 * np.abs(y).max()  # the shift is visible
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(y).max() + 1e-6, ctx(t.name, isa, f"{rows}x{cols}")
+
+
 def test_tile_ranges_and_threads(isa):
     """Disjoint tile ranges, also from concurrent threads, fill exactly their rows."""
     rng = rng_for("tiles")

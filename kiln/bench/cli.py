@@ -114,7 +114,8 @@ def to_markdown(report: dict) -> str:
             bw = f"{r['gb_s']:.2f}" + (f" ({100 * r['of_plain_read']:.0f}%)" if "of_plain_read" in r else "")
         lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} | {bw} |")
     lines += ["", f"{report['method']}; GB/s: bytes a decode step reads (packed weights, embedding rows, KV "
-              "cache) at the median step time."]
+              "cache) at the median step time; of a split output head only the first pass, since how much of "
+              "its low bits a step reads depends on the logits."]
     for t, read in report.get("plain_read", {}).items():
         lines.append(f"plain read, {t} thread(s): {read['gb_s']:.2f} GB/s ({read['method']}).")
     for t, mem in report.get("memory", {}).items():

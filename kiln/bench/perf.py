@@ -102,8 +102,9 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
 
 
 def step_bytes(engine, batch: int, positions) -> float:
-    """Mean bytes a decode step of `batch` sequences reads: every packed matrix once, an embedding row and
-    the KV cache up to its position per sequence (kiln trace counts the same way)."""
+    """Mean bytes a decode step of `batch` sequences reads: every packed matrix once (a split output head's
+    first pass: its low bits are read only near the best logits), an embedding row and the KV cache up to
+    its position per sequence (kiln trace counts the same way)."""
     from kiln.trace import dispatch_figures, kv_read_bytes
 
     d = dispatch_figures(engine)

@@ -209,8 +209,9 @@ class Lowering:
         self._scratch(self.cfg.dim)  # the caller reads a table row into its scratch
         if self.weights.has_matrix(name):  # tied to the output head: its packed rows, already in memory
             ggml_type, row_bytes = self.weights.row_format(name)
-            source = {"table_w": self.weights.matrix(name).address, "table_fd": -1, "table_type": ggml_type,
-                      "table_row_bytes": row_bytes}
+            lo = self.weights.remainder(name)
+            source = {"table_w": self.weights.matrix(name).address, "table_w2": lo.address if lo else None,
+                      "table_fd": -1, "table_type": ggml_type, "table_row_bytes": row_bytes}
         else:
             table = self.weights.table(name)
             source = {"table_fd": table.fd, "table_offset": table.offset, "table_type": table.ggml_type,
@@ -331,8 +332,12 @@ class Lowering:
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
         # logits of a chunk and each row's largest, then (refining) the list of its tiles to refine
-        self._scratch(self.out_rows * self._chunk_tiles(w) * 4 + self.out_rows + self._chunk_tiles(w))
-        self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, rows=vocab, w=w.address, w_act=0,
+        lo = self.weights.remainder(node.params["weight"])
+        # (a split head's refinement: also lo's share of a whole chunk)
+        self._scratch((2 if lo else 1) * self.out_rows * self._chunk_tiles(w) * 4 + self.out_rows
+                      + self._chunk_tiles(w) + 1)
+        split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
+        self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, **split, rows=vocab, w=w.address, w_act=0,
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 
 

@@ -34,7 +34,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
-CACHE_VERSION = 3  # bumped whenever a packed layout (or the cache's index) changes
+CACHE_VERSION = 4  # bumped whenever a packed layout (or the cache's index) changes
 
 
 def available() -> bool:
@@ -92,24 +92,32 @@ class PackedWeights:
     """Every matrix the graph multiplies by, repacked into kernel layouts in one huge-page arena.
     The arena is written to `cache_dir` once, so later loads are one sequential read."""
 
-    def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None):
+    def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None, split: set[str] = frozenset()):
+        """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/plan.c)."""
         self.gguf = gguf
         self.vectors: dict[str, np.ndarray] = {}
         self.tables: dict[str, Table] = {}
         self.from_cache = False
+        self.split = sorted(split)
         layouts = self._load(names, cache_dir) if cache_dir else None
         if layouts is None:
-            layouts = self._pack(names)
+            layouts = self._pack(names, split)
             gguf.release_pages()
             if cache_dir:
                 self._save(cache_dir, layouts)
         self.layouts = layouts
-        self.mats = {name: _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"],
-                                        lay["rows_padded"], lay["tile_bytes"]) for name, lay in layouts.items()}
+        self.mats = {name: self._wmat(lay) for name, lay in layouts.items()}
+        # a split head's low bits (its high bits are the matrix above)
+        self.remainders = {name: self._wmat(lay["remainder"]) for name, lay in layouts.items() if "remainder" in lay}
+
+    def _wmat(self, lay: dict):
+        return _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"], lay["rows_padded"],
+                            lay["tile_bytes"])
 
     def _cache_key(self) -> dict:
         st = self.gguf.path.stat()
-        return {"version": CACHE_VERSION, "kiln": __version__, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return {"version": CACHE_VERSION, "kiln": __version__, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "split": self.split}
 
     def _load(self, names, cache_dir: Path):
         index, blob = cache_dir / "packed.json", cache_dir / "packed.bin"
@@ -127,26 +135,42 @@ class PackedWeights:
         self.from_cache = True
         return {n: meta["matrices"][n] for n in names}
 
-    def _pack(self, names):
-        sizes = {}
+    def _source(self, name: str, ggml: int, rows: int, cols: int) -> np.ndarray:
+        """GGUF bytes of a matrix as packed: its own, or the gguf package's values requantized."""
+        if ggml == int(self.gguf.info(name).type):
+            return self.gguf.raw(name)
+        return gguf_quants.quantize(self.gguf.dequantize(name).reshape(rows, cols), QT.Q8_0)
+
+    def _pack(self, names, split):
+        shapes, halves = {}, {}
         for name in names:
             t = self.gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
             ggml = packed_type(int(t.type), rows, cols)
-            sizes[name] = (ggml, rows, cols, _native.pack_size(ggml, rows, cols))
+            shapes[name] = (ggml, rows, cols)
+            if name in split and ggml == int(QT.Q8_0):
+                # None (packed whole) only if some block's 8 x scale overflows fp16
+                halves[name] = _native.split_q8_0(np.ascontiguousarray(self._source(name, ggml, rows, cols)))
+        parts = {name: [(int(QT.Q5_0), halves[name][0]), (int(QT.Q4_0), halves[name][1])] if halves.get(name)
+                 else [(ggml, None)] for name, (ggml, _, _) in shapes.items()}
         total, offsets = 0, {}
-        for name, (_, _, _, size) in sizes.items():
-            offsets[name] = total
-            total += -(-size // 4096) * 4096
+        for name, ps in parts.items():
+            for i, (ggml, _) in enumerate(ps):
+                offsets[name, i] = total
+                total += -(-_native.pack_size(ggml, *shapes[name][1:]) // 4096) * 4096
         self.arena = _native.Arena(max(total, 1))
         layouts = {}
-        for name, (ggml, rows, cols, _) in sizes.items():
-            if ggml == int(self.gguf.info(name).type):
-                raw = self.gguf.raw(name)
-            else:  # the gguf package's values, requantized
-                raw = gguf_quants.quantize(self.gguf.dequantize(name).reshape(rows, cols), QT.Q8_0)
-            m = _native.pack_into(self.arena, offsets[name], ggml, raw, rows, cols)
-            layouts[name] = dict(m.layout, offset=offsets[name], ggml_type=ggml)
+        for name, ps in parts.items():
+            _, rows, cols = shapes[name]
+            packed = []
+            for i, (ggml, raw) in enumerate(ps):
+                raw = self._source(name, ggml, rows, cols) if raw is None else raw
+                m = _native.pack_into(self.arena, offsets[name, i], ggml, raw, rows, cols)
+                packed.append(dict(m.layout, offset=offsets[name, i]))
+            # ggml_type: what a row unpacks to (a split pair's rows unpack to Q8_0 together)
+            layouts[name] = dict(packed[0], ggml_type=shapes[name][0])
+            if len(packed) == 2:
+                layouts[name]["remainder"] = packed[1]
         return layouts
 
     def _save(self, cache_dir: Path, layouts) -> None:
@@ -168,6 +192,10 @@ class PackedWeights:
 
     def matrix(self, name: str):
         return self.mats[name]
+
+    def remainder(self, name: str):
+        """A split head's low bits (csrc/plan.c), or None for a matrix packed whole."""
+        return self.remainders.get(name)
 
     def has_matrix(self, name: str) -> bool:
         return name in self.mats
@@ -204,6 +232,17 @@ def packed_type(ggml: int, rows: int, cols: int) -> int:
     """The GGUF type a tensor is packed as: its own, or Q8_0 for one with no kernel format
     (kiln.gguf.REQUANTIZED_TYPES), whose values are requantized."""
     return ggml if _native.pack_size(ggml, rows, cols) else int(QT.Q8_0)
+
+
+def packed_parts(ggml: int, rows: int, cols: int, split: bool) -> list[int]:
+    """The kernel formats (as GGUF types) a tensor is packed into: a Q8_0 output head is split in two."""
+    ggml = packed_type(ggml, rows, cols)
+    return [int(QT.Q5_0), int(QT.Q4_0)] if split and ggml == int(QT.Q8_0) else [ggml]
+
+
+def heads_of(root) -> set[str]:
+    """The output head's weight: the one matrix packed split when it is int8."""
+    return {root.params["weight"]} if root.kind == "logits" else set()
 
 
 def packed_names(gguf: GGUFFile, root) -> list[str]:
@@ -307,7 +346,7 @@ class NativeEngine:
 
         self.processor = f"CPU ({active_isa()}, {self.threads} thread{'s' if self.threads != 1 else ''})"
         root = family.forward(Recorder(), self.config)
-        self.weights = PackedWeights(gguf, packed_names(gguf, root), cache_dir)
+        self.weights = PackedWeights(gguf, packed_names(gguf, root), cache_dir, split=heads_of(root))
         cfg = self.config
         # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
         self.kv_ctx = -(-n_ctx // 8) * 8

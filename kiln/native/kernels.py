@@ -109,6 +109,20 @@ def unpack_row(w: PackedMatrix, ggml_type: int, row: int) -> np.ndarray:
     return out
 
 
+def split_q8_0(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A Q8_0 tensor's GGUF bytes split into its top 5 bits (Q5_0, scale 8d) and low 3 bits (Q4_0), each
+    (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/plan.c)."""
+    halves = _native.split_q8_0(np.ascontiguousarray(raw))
+    return None if halves is None else tuple(np.frombuffer(h, np.uint8).reshape(rows, -1) for h in halves)
+
+
+def unpack_split_row(hi: PackedMatrix, lo: PackedMatrix, row: int) -> np.ndarray:
+    """Row `row` of a packed split pair back to its Q8_0 bytes."""
+    out = np.empty(hi.cols // 32 * 34, np.uint8)
+    _native.unpack_split_row(hi.rows, hi.cols, hi.tile_bytes, hi.data, lo.tile_bytes, lo.data, row, out)
+    return out
+
+
 def act_kind(fmt: Format) -> ActKind:
     return ActKind(_native.act_kind(int(fmt)))
 
