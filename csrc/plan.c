@@ -610,19 +610,24 @@ static void refine_compute(void *ctx, int i, int thread) {
     const uint8_t *second = (const uint8_t *)op->act[op->w_act] + (size_t)n_out * stride;
     const uint8_t *remainder = split(op) ? (const uint8_t *)op->act[1] + (size_t)n_out * stride : NULL;
     float *part = scratch(p, thread);
-    int *hits = (int *)(part + (size_t)n_out * n); /* the chunk's tiles some row refines */
-    memset(part, 0, sizeof(float) * (size_t)n_out * n);
+    int *hits = (int *)(part + (size_t)n_out * n) + 1; /* the chunk's tiles some row refines, their count before */
     for (int a = r0; a < r1; a += 4)
         for (int t = 0; t < n_out; t++)
             if (tile_refined(op, t, a, a + 4 < r1 ? a + 4 : r1, lowest[t])) {
                 hits[n_hits++] = a / 4;
                 break;
             }
+    hits[-1] = n_hits;
+    for (int t = 0; t < n_out; t++) /* only the hit tiles' part is used (and committed) */
+        for (int i = 0; i < n_hits; i++) {
+            int a = hits[i] * 4;
+            memset(part + (size_t)t * n + a - r0, 0, sizeof(float) * (size_t)(a + 4 < r1 ? 4 : r1 - a));
+        }
     /* A flat distribution (random tokens, llama-bench's method) puts most of the vocabulary within the
      * margin: then lo is streamed over the whole chunk for every row at once, and added where refined. */
     int dense = split(op) && 4 * n_hits > (n + 3) / 4; /* past a quarter of its tiles (per tile: ~4x a streamed one) */
     if (dense) {
-        float *all = (float *)(hits + n / 4 + 1);
+        float *all = (float *)(hits + (n + 3) / 4);
         kiln_matmul(op->w2, remainder, n_out, all - r0, n, r0 / 4, (r1 + 3) / 4);
         for (int t = 0; t < n_out; t++)
             for (int a = r0; a < r1; a += 4) {
@@ -657,9 +662,12 @@ static void refine_commit(void *ctx, int i, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     const float *part = scratch(j->plan, thread);
+    const int *hits = (const int *)(part + (size_t)j->n_out * n) + 1;
     for (int t = 0; t < j->n_out; t++) {
-        float *y = op->out + (size_t)t * op->rows + r0;
-        for (int i = 0; i < n; i++) y[i] += part[(size_t)t * n + i];
+        float *y = op->out + (size_t)t * op->rows;
+        const float *pt = part + (size_t)t * n - r0;
+        for (int i = 0; i < hits[-1]; i++)
+            for (int r = hits[i] * 4; r < hits[i] * 4 + 4 && r < r1; r++) y[r] += pt[r];
     }
 }
 
