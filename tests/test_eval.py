@@ -320,7 +320,7 @@ def test_cli_kld_saves_and_reuses_a_reference(smollm2_path, moby_dick, tmp_path,
     live = json.loads(capsys.readouterr().out)
     assert cli.main(base + ["--reference-file", str(ref)]) == 0
     saved = json.loads(capsys.readouterr().out)
-    assert live["kld_method"] == "exact" and saved["kld_method"].startswith("top-1024")
+    assert live["kld_method"] == "exact" and saved["kld_method"].startswith("top-4096")
     assert saved["tokens"] == live["tokens"] == 2 * 31 and saved["windows"] == 2
     for key in ("ppl_base", "ppl_q", "same_top", "rms_dp"):
         assert saved[key] == pytest.approx(live[key], rel=1e-5), key

@@ -25,7 +25,7 @@ def register(sub) -> None:
     k.add_argument("--reference", choices=["oracle", "transformers"], default="oracle",
                    help="the reference: kiln's fp32 numpy oracle (default) or transformers fp32 on the same GGUF")
     k.add_argument("--save-reference", metavar="PATH", help="also save the reference's top-k log-probs here")
-    k.add_argument("--save-top-k", type=_positive, help="log-probs a saved token keeps (default 1024)")
+    k.add_argument("--save-top-k", type=_positive, help="log-probs a saved token keeps (default 4096)")
     k.add_argument("--reference-file", metavar="PATH",
                    help="compare against a saved reference (it holds its own tokens: no --text)")
     _debug_args(k)
