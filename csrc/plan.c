@@ -611,12 +611,20 @@ static void refine_compute(void *ctx, int i, int thread) {
     const uint8_t *remainder = split(op) ? (const uint8_t *)op->act[1] + (size_t)n_out * stride : NULL;
     float *part = scratch(p, thread);
     int *hits = (int *)(part + (size_t)n_out * n) + 1; /* the chunk's tiles some row refines, their count before */
-    for (int a = r0; a < r1; a += 4)
-        for (int t = 0; t < n_out; t++)
-            if (tile_refined(op, t, a, a + 4 < r1 ? a + 4 : r1, lowest[t])) {
-                hits[n_hits++] = a / 4;
-                break;
-            }
+    int full = n / 4, tiles = (n + 3) / 4, pairs = 0; /* r0 is a tile's first row; pairs: (row, tile) refined */
+    memset(hits, 0, sizeof(int) * (size_t)tiles);
+    for (int t = 0; t < n_out; t++) { /* first a count per tile, row by row without branches */
+        const float *y = op->out + (size_t)t * op->rows + r0;
+        float floor = lowest[t];
+        for (int k = 0; k < full; k++)
+            hits[k] += (y[4 * k] >= floor) | (y[4 * k + 1] >= floor) | (y[4 * k + 2] >= floor) | (y[4 * k + 3] >= floor);
+        int tail = 0;
+        for (int r = 4 * full; r < n; r++) tail |= y[r] >= floor;
+        if (full < tiles) hits[full] += tail;
+    }
+    for (int k = 0; k < tiles; k++) pairs += hits[k];
+    for (int k = 0; k < tiles; k++) /* then the flagged tiles' numbers, in place */
+        if (hits[k]) hits[n_hits++] = r0 / 4 + k;
     hits[-1] = n_hits;
     for (int t = 0; t < n_out; t++) /* only the hit tiles' part is used (and committed) */
         for (int i = 0; i < n_hits; i++) {
@@ -624,8 +632,11 @@ static void refine_compute(void *ctx, int i, int thread) {
             memset(part + (size_t)t * n + a - r0, 0, sizeof(float) * (size_t)(a + 4 < r1 ? 4 : r1 - a));
         }
     /* A flat distribution (random tokens, llama-bench's method) puts most of the vocabulary within the
-     * margin: then lo is streamed over the whole chunk for every row at once, and added where refined. */
-    int dense = split(op) && 4 * n_hits > (n + 3) / 4; /* past a quarter of its tiles (per tile: ~4x a streamed one) */
+     * margin: then lo is streamed over the whole chunk for every row at once, and added where refined.
+     * Against one row's dot of a tile fetched on its own (~4x a streamed tile's), a chunk's dots for n rows
+     * cost about (n + 2) / 3 streamed tiles each (Q4_0 over 49k x 576, one thread: 1 row 1.3 ms, 8 rows
+     * 4.6 ms), so streaming pays from (n + 2) / 12 refined (row, tile) pairs per tile. */
+    int dense = split(op) && 12 * pairs > tiles * (n_out + 2);
     if (dense) {
         float *all = (float *)(hits + (n + 3) / 4);
         kiln_matmul(op->w2, remainder, n_out, all - r0, n, r0 / 4, (r1 + 3) / 4);
