@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -615,6 +616,35 @@ def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     mem = report["memory"][str(one["threads"])]
     assert mem["weights_bytes"] > 0 and mem["rss_growth_bytes"] > 0
     assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))
+
+
+def test_bench_greedy_tokens_feed_each_sequence_its_argmax(tiny, home, capsys):
+    """`--tokens greedy`: every decode step after the first feeds each sequence the argmax of its last logits."""
+    from kiln.bench import perf
+    from kiln.engine.model import load
+
+    model = load(str(tiny), backend="native", n_ctx=32, n_slots=2, threads=1, progress=False)
+    fed, returned = [], []
+    step = model.engine.step
+
+    def recording_step(tokens, slots, positions, out_rows):
+        logits = step(tokens, slots, positions, out_rows)
+        fed.append(list(tokens))
+        returned.append(logits.copy())
+        return logits
+
+    model.engine.step = recording_step
+    (r,) = perf.bench_engine(model.engine, model.config.vocab_size, 0, 6, 0, 2, 1, np.random.default_rng(0),
+                             tokens="greedy")
+    model.close()
+    assert r.test == "tg6 b2 greedy" and len(r.samples_ns) == 1 and len(fed) == 12  # warm-up + 1 repetition
+    for rep in (0, 6):
+        for i in range(rep + 1, rep + 6):
+            assert fed[i] == returned[i - 1].argmax(axis=-1).tolist()
+    assert kiln_main(["bench", "-p", "0", "-n", "4", "-r", "1", "--tokens", "greedy", "-o", "json", str(tiny)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == "greedy" and "greedy continuation" in report["method"]
+    assert [x["test"] for x in report["results"]] == ["tg4 greedy"]
 
 
 def test_bench_help_lists_options_and_subcommands(capsys):

@@ -39,12 +39,15 @@ def perf_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch", type=_ints, default=[1], help="sequences decoding together, e.g. 1,8")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
+    p.add_argument("--tokens", choices=["random", "greedy"], default="random",
+                   help="what the tg test feeds: random ids (llama-bench) or each sequence's greedy continuation")
     return p
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="measure engine throughput (llama-bench style) and more",
-                       description="kiln bench TAG [-p 512 -n 128 -t 1,2 -r 5 -d 0,1024 -b 1,8 -o md|json|csv]",
+                       description="kiln bench TAG [-p 512 -n 128 -t 1,2 -r 5 -d 0,1024 -b 1,8 -o md|json|csv "
+                                   "--tokens random|greedy]",
                        add_help=False)
     # The arguments go to the perf parser or a subcommand's parser untouched (kiln.cli forwards them raw),
     # so options may come before the model and `kiln bench -h` reaches the perf parser's help.
@@ -76,7 +79,7 @@ def run_perf(a) -> int:
     if a.n_prompt == 0 and a.n_gen == 0:
         raise SystemExit("kiln bench: -p 0 -n 0 leaves nothing to measure")
     report = perf.run(a.model, a.n_prompt, a.n_gen, threads, a.depth, a.batch, a.repetitions,
-                      progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr))
+                      progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr), tokens=a.tokens)
     sys.stdout.write({"json": to_json, "csv": to_csv, "md": to_markdown}[a.output](report))
     from kiln.bench import history
 

@@ -3,7 +3,10 @@
 Tests: `pp N` (prefill of N random tokens from an empty cache, or after `-d` tokens of depth) and
 `tg N` (N decode steps, one token each; with `-b B`, B sequences decode side by side and the rate is
 their aggregate). Random token ids: no tokenization, no sampling, as llama-bench; each figure is the
-mean ± sd over `-r` repetitions after one warm-up. The JSON also says how much of each decode step was
+mean ± sd over `-r` repetitions after one warm-up. Random ids make flat next-token distributions, the
+output head's refinement at its most expensive (csrc/plan.c); `--tokens greedy` feeds each sequence its
+own greedy continuation instead (from a random first token, the argmax not timed), whose peaked
+distributions are what generation sees. The JSON also says how much of each decode step was
 spent outside the native call (host time), the bytes a decode step reads (packed weights, embedding rows,
 the KV cache up to each position) as GB/s next to a plain read measured in the same run, and what the
 process holds resident against the packed weights and KV cache it needs.
@@ -57,9 +60,10 @@ def _label(kind: str, n: int, depth: int, batch: int) -> str:
 
 
 def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batch: int, reps: int,
-                 rng: np.random.Generator, after_decode=None) -> list[PerfResult]:
+                 rng: np.random.Generator, after_decode=None, tokens: str = "random") -> list[PerfResult]:
     """The pp and tg tests; `after_decode` runs after each timed decode repetition (a plain-read pass,
-    so the bandwidth reference sees the same machine load as the decode it is compared to)."""
+    so the bandwidth reference sees the same machine load as the decode it is compared to). `tokens`:
+    what the tg test feeds, "random" ids or each sequence's "greedy" continuation."""
     results = []
 
     def fill_depth():
@@ -78,17 +82,26 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
                 r.samples_ns.append(time.perf_counter_ns() - t0)
         results.append(r)
     if n_gen:
-        r = PerfResult(_label("tg", n_gen, depth, batch), engine.threads, depth, batch, n_gen)
+        label = _label("tg", n_gen, depth, batch) + (" greedy" if tokens == "greedy" else "")
+        r = PerfResult(label, engine.threads, depth, batch, n_gen)
         slots, rows = list(range(batch)), list(range(batch))
         native_ns = wall_ns = 0
         for rep in range(reps + 1):
             fill_depth()
-            tokens = rng.integers(0, vocab, (n_gen, batch)).tolist()
+            ids = rng.integers(0, vocab, (n_gen, batch)).tolist()
             before = engine.stats.native_ns
-            t0 = time.perf_counter_ns()
-            for i in range(n_gen):
-                engine.step(tokens[i], slots, [depth + i] * batch, rows)
-            elapsed = time.perf_counter_ns() - t0
+            if tokens == "greedy":
+                elapsed, fed = 0, ids[0]
+                for i in range(n_gen):
+                    t0 = time.perf_counter_ns()
+                    logits = engine.step(fed, slots, [depth + i] * batch, rows)
+                    elapsed += time.perf_counter_ns() - t0
+                    fed = logits.argmax(axis=-1).tolist()
+            else:
+                t0 = time.perf_counter_ns()
+                for i in range(n_gen):
+                    engine.step(ids[i], slots, [depth + i] * batch, rows)
+                elapsed = time.perf_counter_ns() - t0
             if rep:
                 r.samples_ns.append(elapsed)
                 wall_ns += elapsed
@@ -133,7 +146,7 @@ def memory_figures(engine, rss_before: int | None) -> dict:
 
 
 def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: list[int], batches: list[int],
-        reps: int, seed: int = 0, progress=None) -> dict:
+        reps: int, seed: int = 0, progress=None, tokens: str = "random") -> dict:
     from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
     from kiln.engine.model import load, release_free_heap
     from kiln.machine import facts
@@ -158,7 +171,7 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
                 if progress:
                     progress(f"threads {t}, depth {depth}, batch {batch}")
                 results += bench_engine(model.engine, cfg.vocab_size, n_prompt, n_gen, depth, batch, reps, rng,
-                                          after_decode=read_pass)
+                                          after_decode=read_pass, tokens=tokens)
         memory[t] = memory_figures(model.engine, rss_before)
         model.close()
         if read is not None:
@@ -169,8 +182,10 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
         if r["gb_s"] is not None and r["threads"] in reads:
             r["of_plain_read"] = r["gb_s"] / reads[r["threads"]]["gb_s"]
     return {
-        **about, "backend": "native", "method": "random token ids; tokenization and sampling are not timed; "
-        f"mean ± sd over {reps} repetitions after one warm-up",
+        **about, "backend": "native", "tokens": tokens,
+        "method": ("random token ids" if tokens == "random" else "decode: each sequence's greedy continuation "
+                   "of a random first token (pp: random token ids)") + "; tokenization and sampling are not "
+        f"timed; mean ± sd over {reps} repetitions after one warm-up",
         "machine": facts(), "results": summaries,
         "plain_read": {str(t): f for t, f in reads.items()}, "memory": {str(t): m for t, m in memory.items()},
     }
