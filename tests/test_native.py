@@ -105,16 +105,16 @@ def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
 
 
-@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-gemma3"])
-def test_int8_head_runs_split(family, tmp_path, isa, monkeypatch):
+@pytest.mark.parametrize("family,vocab", [("tiny-qwen2", 509), ("tiny-gemma3", 512)])
+def test_int8_head_runs_split(family, vocab, tmp_path, isa, monkeypatch):
     """A Q8_0 output head runs as its top 5 bits, then the low 3 for the logits near each row's best
     (csrc/plan.c): those come out as the whole head gives them, the rest within the first pass's bound.
-    Both heads are tied, so the embedding rows unpack from the split pair too. (Untied split heads run in
-    the Q8_0 cases of the tests above and below.)"""
+    Both heads are tied, so the embedding rows unpack from the split pair too; 509 rows end in a partial
+    tile. (Untied split heads run in the Q8_0 cases of the tests above and below.)"""
     head = "token_embd.weight"
     from kiln.engine import native as native_module
 
-    path = write_random_gguf(tmp_path / "h.gguf", family, qtype=QT.Q8_0, seed=13)
+    path = write_random_gguf(tmp_path / "h.gguf", family, qtype=QT.Q8_0, seed=13, vocab_size=vocab)
     split, oracle = engines(path)
     monkeypatch.setattr(native_module, "heads_of", lambda root: set())
     whole, _ = engines(path)
