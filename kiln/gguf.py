@@ -27,7 +27,8 @@ QT = GGMLQuantizationType
 # Tensor types kiln runs. These have a repacked kernel format in the native core:
 KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 # Types the `gguf` package dequantizes but kiln has no kernel for: the native engine runs their values
-# requantized to Q8_0 at load (twice or more the memory of the original, and as much slower to decode).
+# requantized to Q8_0 at load (twice or more the memory of the original, and as much slower to decode),
+# except those a kernel type holds exactly (EXACT_REWRITES), whose blocks are rewritten into it.
 REQUANTIZED_TYPES = (QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S,
                      QT.IQ1_M, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0)
 SUPPORTED_TYPES = KERNEL_TYPES + REQUANTIZED_TYPES
@@ -340,3 +341,58 @@ class GGUFFile:
                 mm.close()
             except BufferError:
                 pass  # a view is still alive; the map closes when the last view dies
+
+
+# ---- exact rewrites ---------------------------------------------------------------------------------
+# Q3_K: per 256 weights d (fp16) and 16 six-bit scales (sc - 32); w = d * (sc - 32) * q with q = 2 low bits
+# - 4 * (1 - high bit), in [-4, 3], per 16-weight sub-block. Q6_K holds the same values: its int8 scale per
+# 16 weights is sc - 32 and its 6-bit value q + 32 (28..35). IQ4_NL: w = d * table[i] with a 16-entry int8
+# table, which is a Q8_0 block with the same d.
+
+_IQ4_NL_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _q3k_to_q6k(raw: np.ndarray) -> np.ndarray:
+    b = raw.reshape(-1, 110)
+    n = len(b)
+    hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
+    # value v = 128 h + 32 j + i: low bits from qs[32 h + i] at bits 2j, high bit from hmask[i] at bit v // 32
+    low = (qs.reshape(n, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
+    high = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q6 = low.reshape(n, 256).astype(np.int16) - 4 * (1 - high.reshape(n, 256).astype(np.int16)) + 32
+    # scale s: low 4 bits from scales[s % 8] at bits 4 (s // 8), high 2 from scales[8 + s % 4] at bits 2 (s // 4)
+    s = np.arange(16)
+    sc = ((scales[:, s % 8] >> (4 * (s // 8)).astype(np.uint8)) & 15) | (((scales[:, 8 + s % 4] >> (2 * (s // 4)).astype(np.uint8)) & 3) << 4)
+    out = np.zeros((n, 210), np.uint8)
+    # Q6_K: value v = 128 h + r keeps its low 4 bits in ql[64 h + r % 64] at bits 4 (r // 64), its high 2 in
+    # qh[32 h + r % 32] at bits 2 (r // 32)
+    v = np.arange(256)
+    h, r = v // 128, v % 128
+    q6 = q6.astype(np.uint8)
+    for nibble in (0, 1):
+        sel = r // 64 == nibble
+        out[:, (64 * h + r % 64)[sel]] |= (q6[:, sel] & 15) << (4 * nibble)
+    for pair in range(4):
+        sel = r // 32 == pair
+        out[:, 128 + (32 * h + r % 32)[sel]] |= (q6[:, sel] >> 4) << (2 * pair)
+    out[:, 192:208] = (sc.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    out[:, 208:210] = d
+    return out
+
+
+def _iq4nl_to_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = raw.reshape(-1, 18)
+    n = len(b)
+    idx = (b[:, 2:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15  # weights 0-15, 16-31
+    out = np.empty((n, 34), np.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = _IQ4_NL_TABLE[idx.reshape(n, 32)].view(np.uint8)
+    return out
+
+
+EXACT_REWRITES = {QT.Q3_K: (QT.Q6_K, _q3k_to_q6k), QT.IQ4_NL: (QT.Q8_0, _iq4nl_to_q8_0)}
+
+
+def rewrite_exactly(raw: np.ndarray, ggml_type: QT, rows: int) -> np.ndarray:
+    """A tensor's GGUF bytes of a type in EXACT_REWRITES as the same values in its kernel type, (rows, bytes)."""
+    return EXACT_REWRITES[QT(ggml_type)][1](np.ascontiguousarray(raw).view(np.uint8)).reshape(rows, -1)

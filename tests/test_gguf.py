@@ -3,12 +3,14 @@ error naming the problem."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import gguf
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile
@@ -68,6 +70,30 @@ def test_flipped_string_length_is_caught(model):
     corrupt(model, 31, 0x40)  # top byte of the first key's length
     with pytest.raises(ModelFileError, match=r"truncated while reading name of metadata key 0"):
         GGUFFile(model)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q3_K, QT.IQ4_NL])
+def test_exact_rewrites_keep_every_value(qtype):
+    """Random blocks (every bit pattern, random-sign scales) rewritten into the kernel type dequantize to
+    the very same values, by the gguf package's own dequantization of both."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import quants
+
+    from kiln.gguf import EXACT_REWRITES, rewrite_exactly
+
+    target = EXACT_REWRITES[qtype][0]
+    block, size = GGML_QUANT_SIZES[qtype]
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    rows, cols = 7, 3 * 256
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale_at = size - 2 if qtype == QT.Q3_K else 0  # the fp16 d: last in a Q3_K block, first in IQ4_NL
+    d = (rng.choice([-1, 1], (rows, cols // block)) * 10.0 ** rng.uniform(-4, 0, (rows, cols // block)))
+    raw[:, :, scale_at : scale_at + 2] = d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    out = rewrite_exactly(raw.reshape(rows, -1), qtype, rows)
+    assert out.shape == (rows, cols // GGML_QUANT_SIZES[target][0] * GGML_QUANT_SIZES[target][1])
+    want = quants.dequantize(raw.reshape(rows, -1), qtype)
+    assert np.array_equal(quants.dequantize(out, target), want), f"seed {seed}"
 
 
 def test_unsupported_tensor_type(tmp_path):

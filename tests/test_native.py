@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from kiln.engine.native import NativeEngine
@@ -77,21 +78,24 @@ def test_mixed_batch_of_slots_matches_oracle(tmp_path):
     assert rel_err(native.hidden(2), hidden[:2]) == 0
 
 
-@pytest.mark.parametrize("qtype", [QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])
-def test_types_without_kernels_run_requantized(qtype, tmp_path):
-    """Their values (the gguf package's dequantization) run as Q8_0; an untied embedding table too, read
-    from the arena as a tied one is."""
+@pytest.mark.parametrize("qtype,runs_as", [(QT.Q5_1, QT.Q8_0), (QT.Q2_K, QT.Q8_0), (QT.Q3_K, QT.Q6_K),
+                                           (QT.IQ4_NL, QT.Q8_0), (QT.IQ4_XS, QT.Q8_0)])
+def test_types_without_kernels_run_requantized(qtype, runs_as, tmp_path):
+    """Their values (the gguf package's dequantization) run as Q8_0, or rewritten exactly into the kernel
+    type that holds them (Q3_K as Q6_K, IQ4_NL as Q8_0); an untied embedding table too, read from the arena
+    as a tied one is."""
     path = write_random_gguf(tmp_path / "r.gguf", "tiny-llama", qtype=qtype, seed=4, dim=256, ffn_dim=512,
                              head_dim=64)  # K-quant rows are whole 256-weight blocks
     native, oracle = engines(path)
-    assert native.weights.row_format("token_embd.weight") == (int(QT.Q8_0), 256 // 32 * 34)
+    block, block_bytes = GGML_QUANT_SIZES[runs_as]
+    assert native.weights.row_format("token_embd.weight") == (int(runs_as), 256 // block * block_bytes)
     ids = [int(i) for i in np.random.default_rng(8).integers(3, 500, 48)]
     a, b = native.forward(ids, all_logits=True), oracle.forward(ids, all_logits=True)
     assert kld(b, a).mean() < 0.002 and (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
     for loads_from_cache in (False, True):  # the repack cache keeps the requantized rows and their format
         again = engines(path, cache_dir=tmp_path / "cache")[0]
         assert again.weights.from_cache == loads_from_cache
-        assert again.weights.row_format("token_embd.weight")[0] == int(QT.Q8_0)
+        assert again.weights.row_format("token_embd.weight")[0] == int(runs_as)
         assert np.array_equal(again.forward(ids, all_logits=True), a)
 
 

@@ -446,14 +446,16 @@ def test_show_reports_the_real_models(kiln, smollm2_path, gemma3_path):
     assert info["requantized"] == []
 
 
-def test_show_says_which_tensors_run_requantized(tmp_path, kiln):
+@pytest.mark.parametrize("qtype,says", [("Q3_K", "Q6_K for its Q3_K tensors (the same values"),
+                                        ("Q2_K", "Q8_0 for its Q2_K tensors: kiln has no kernel")])
+def test_show_says_which_tensors_run_requantized(qtype, says, tmp_path, kiln):
     from gguf import GGMLQuantizationType as QT
 
     from kiln.synth import write_random_gguf
 
-    path = write_random_gguf(tmp_path / "q3.gguf", "tiny-llama", qtype=QT.Q3_K, dim=256, ffn_dim=512, head_dim=64)
+    path = write_random_gguf(tmp_path / "q.gguf", "tiny-llama", qtype=QT[qtype], dim=256, ffn_dim=512, head_dim=64)
     rc, out, _ = kiln("show", str(path))
-    assert rc == 0 and "runs as       Q8_0 for its Q3_K tensors" in out
+    assert rc == 0 and f"runs as       {says}" in out
 
 
 @pytest.mark.slow

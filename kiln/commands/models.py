@@ -124,6 +124,19 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def _runs_as(type_names: list[str]) -> str:
+    """What the types without a kernel run as: rewritten exactly into a kernel type, or requantized to Q8_0."""
+    from kiln.gguf import EXACT_REWRITES, QT
+
+    rewritten = [(n, EXACT_REWRITES[QT[n]][0].name) for n in type_names if QT[n] in EXACT_REWRITES]
+    requantized = [n for n in type_names if QT[n] not in EXACT_REWRITES]
+    parts = [f"{target} for its {n} tensors (the same values, rewritten at load)" for n, target in rewritten]
+    if requantized:
+        parts.append(f"Q8_0 for its {', '.join(requantized)} tensors: kiln has no kernel for them, so they are "
+                     "requantized at load")
+    return "; ".join(parts)
+
+
 def describe(record) -> dict:
     """Everything `kiln show` reports, read from the GGUF file."""
     from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
@@ -277,8 +290,7 @@ def cmd_show(args) -> int:
         ("family", info["family"]),
         ("parameters", f"{_millions_or_billions(info['parameters'])} ({info['parameters']:,})"),
         ("quantization", f"{info['quantization']} (tensors: {types})"),
-        *([("runs as", f"Q8_0 for its {', '.join(info['requantized'])} tensors: kiln has no kernel for them, so they "
-                       "are requantized at load")] if info["requantized"] else []),
+        *([("runs as", _runs_as(info["requantized"]))] if info["requantized"] else []),
         ("context", info["context_length"]),
         ("embedding", info["embedding_length"]),
         ("layers", info["layers"]),

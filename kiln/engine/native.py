@@ -25,7 +25,7 @@ from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_
 from kiln.engine.kv import check_span
 from kiln.engine.oracle import rope_angles
 from kiln.errors import KilnError, RequestError
-from kiln.gguf import KERNEL_TYPES, GGUFFile
+from kiln.gguf import EXACT_REWRITES, KERNEL_TYPES, GGUFFile, rewrite_exactly
 from kiln.models import Family
 from kiln.models.base import Rope
 
@@ -34,7 +34,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
-CACHE_VERSION = 4  # bumped whenever a packed layout (or the cache's index) changes
+CACHE_VERSION = 5  # bumped whenever a packed layout (or the cache's index) changes
 
 
 def available() -> bool:
@@ -136,9 +136,13 @@ class PackedWeights:
         return {n: meta["matrices"][n] for n in names}
 
     def _source(self, name: str, ggml: int, rows: int, cols: int) -> np.ndarray:
-        """GGUF bytes of a matrix as packed: its own, or the gguf package's values requantized."""
-        if ggml == int(self.gguf.info(name).type):
+        """GGUF bytes of a matrix as packed: its own, its blocks rewritten exactly, or the gguf package's
+        values requantized."""
+        own = self.gguf.info(name).type
+        if ggml == int(own):
             return self.gguf.raw(name)
+        if own in EXACT_REWRITES:
+            return rewrite_exactly(self.gguf.raw(name), own, rows)
         return gguf_quants.quantize(self.gguf.dequantize(name).reshape(rows, cols), QT.Q8_0)
 
     def _pack(self, names, split):
@@ -202,7 +206,7 @@ class PackedWeights:
 
     def row_format(self, name: str) -> tuple[int, int]:
         """A tensor's GGUF type and the bytes of one of its rows; for a packed matrix, what its rows unpack
-        to (its own type, or Q8_0 when it was requantized)."""
+        to (its own type, the type it was rewritten into, or Q8_0 when it was requantized)."""
         if name not in self.layouts:
             t = self.gguf.info(name)
             return int(t.type), t.nbytes // t.shape[0]
@@ -229,9 +233,12 @@ class PackedWeights:
 
 
 def packed_type(ggml: int, rows: int, cols: int) -> int:
-    """The GGUF type a tensor is packed as: its own, or Q8_0 for one with no kernel format
-    (kiln.gguf.REQUANTIZED_TYPES), whose values are requantized."""
-    return ggml if _native.pack_size(ggml, rows, cols) else int(QT.Q8_0)
+    """The GGUF type a tensor is packed as: its own, the kernel type that holds its values exactly
+    (kiln.gguf.EXACT_REWRITES), or Q8_0 for another one with no kernel format (kiln.gguf.REQUANTIZED_TYPES),
+    whose values are requantized."""
+    if _native.pack_size(ggml, rows, cols):
+        return ggml
+    return int(EXACT_REWRITES[ggml][0]) if ggml in EXACT_REWRITES else int(QT.Q8_0)
 
 
 def packed_parts(ggml: int, rows: int, cols: int, split: bool) -> list[int]:
