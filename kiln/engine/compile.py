@@ -331,9 +331,9 @@ class Lowering:
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
-        # logits of a chunk and each row's largest, then (refining) the list of its tiles to refine
+        # logits of a chunk and each row's largest, then (refining) the list of its tiles to refine and,
+        # for a split head, its low bits' share of the whole chunk when that is streamed for every row
         lo = self.weights.remainder(node.params["weight"])
-        # (a split head's refinement: also lo's share of a whole chunk)
         self._scratch((2 if lo else 1) * self.out_rows * self._chunk_tiles(w) * 4 + self.out_rows
                       + self._chunk_tiles(w) + 1)
         split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
