@@ -104,6 +104,38 @@ static void put_high2(uint8_t *dst, const uint8_t *q) {
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
+/* ---- GGUF blocks of 32 (Q4_0 / Q4_1 / Q5_0 / Q8_0): their stored values ---- */
+
+/* The 32 values block b stores: nibbles with Q5_0's 5th bits added, or Q8_0's bytes. */
+static void block32_values(kiln_wfmt f, const uint8_t *b, uint8_t *q) {
+    if (f == WF_Q8) {
+        memcpy(q, b + 2, 32);
+        return;
+    }
+    const uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
+    uint32_t qh = f == WF_Q5 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
+    for (int i = 0; i < 16; i++) {
+        q[i] = (qs[i] & 15) | ((qh >> i & 1) << 4);
+        q[16 + i] = (qs[i] >> 4) | ((qh >> (16 + i) & 1) << 4);
+    }
+}
+
+/* block32_values undone: the 32 values v into block b (its scale fields are left as they are). */
+static void block32_put_values(kiln_wfmt f, const uint8_t *v, uint8_t *b) {
+    if (f == WF_Q8) {
+        memcpy(b + 2, v, 32);
+        return;
+    }
+    uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
+    uint32_t qh = 0;
+    for (int i = 0; i < 16; i++) {
+        qs[i] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
+        qh |= (uint32_t)(v[i] >> 4 & 1) << i | (uint32_t)(v[16 + i] >> 4 & 1) << (16 + i);
+    }
+    if (f == WF_Q5)
+        for (int i = 0; i < 4; i++) b[2 + i] = (uint8_t)(qh >> (8 * i));
+}
+
 /* ---- one row's group: GGUF blocks -> header h and quants q ---- */
 
 /* Q4_0 / Q4_1 / Q5_0 / Q8_0: nb blocks of 32 starting at src. */
@@ -114,16 +146,7 @@ static void pack_group32(kiln_wfmt f, const uint8_t *src, int nb, uint8_t *h, ui
         const uint8_t *b = src + j * bb;
         wr16(h + 2 * j, rd16(b));
         if (f == WF_Q4) wr16(h + 2 * nb + 2 * j, rd16(b + 2));
-        if (f == WF_Q8) {
-            memcpy(q + 32 * j, b + 2, 32);
-            continue;
-        }
-        const uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
-        uint32_t qh = f == WF_Q5 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
-        for (int i = 0; i < 16; i++) {
-            q[32 * j + i] = (qs[i] & 15) | ((qh >> i & 1) << 4);
-            q[32 * j + 16 + i] = (qs[i] >> 4) | ((qh >> (16 + i) & 1) << 4);
-        }
+        block32_values(f, b, q + 32 * j);
     }
     if (f == WF_Q8) {
         for (int j = 0; j < nb; j++)
@@ -261,21 +284,9 @@ static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int
     get_values(f, qd, nb, q);
     for (int j = 0; j < nb; j++) {
         uint8_t *b = dst + j * bb;
-        const uint8_t *v = q + 32 * j;
         wr16(b, rd16(h + 2 * j));
-        if (f == WF_Q8) {
-            memcpy(b + 2, v, 32);
-            continue;
-        }
         if (f == WF_Q4) wr16(b + 2, rd16(h + 2 * nb + 2 * j));
-        uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
-        uint32_t qh = 0;
-        for (int i = 0; i < 16; i++) {
-            qs[i] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
-            qh |= (uint32_t)(v[i] >> 4 & 1) << i | (uint32_t)(v[16 + i] >> 4 & 1) << (16 + i);
-        }
-        if (f == WF_Q5)
-            for (int i = 0; i < 4; i++) b[2 + i] = (uint8_t)(qh >> (8 * i));
+        block32_put_values(f, q + 32 * j, b);
     }
 }
 
@@ -363,40 +374,38 @@ static int f16_times8(uint16_t h) {
 }
 
 int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *lo) {
+    int b8 = ggml_block_bytes(GGML_Q8_0), b5 = ggml_block_bytes(GGML_Q5_0), b4 = ggml_block_bytes(GGML_Q4_0);
     for (size_t b = 0; b < n_blocks; b++) {
-        const uint8_t *s = src + 34 * b;
-        uint8_t *h = hi + 22 * b, *l = lo + 18 * b;
+        const uint8_t *s = src + b8 * b;
+        uint8_t *h = hi + b5 * b, *l = lo + b4 * b, q[32], u[32], n[32];
         int d8 = f16_times8(rd16(s));
         if (d8 < 0) return -1;
-        wr16(h, (uint16_t)d8);
-        wr16(l, rd16(s));
-        uint32_t high_bits = 0;
-        memset(h + 6, 0, 16);
-        memset(l + 2, 0, 16);
-        for (int i = 0; i < 32; i++) {
-            int q = (int8_t)s[2 + i], u = (q >> 3) + 16, n = (q & 7) + 8; /* q = 8 * (u - 16) + (n - 8) */
-            high_bits |= (uint32_t)(u >> 4) << i;
-            h[6 + (i & 15)] |= (uint8_t)((u & 15) << (i >= 16 ? 4 : 0));
-            l[2 + (i & 15)] |= (uint8_t)(n << (i >= 16 ? 4 : 0));
+        block32_values(WF_Q8, s, q);
+        for (int i = 0; i < 32; i++) { /* q = 8 * (u - 16) + (n - 8) */
+            u[i] = (uint8_t)(((int8_t)q[i] >> 3) + 16);
+            n[i] = (uint8_t)(((int8_t)q[i] & 7) + 8);
         }
-        for (int k = 0; k < 4; k++) h[2 + k] = (uint8_t)(high_bits >> 8 * k);
+        wr16(h, (uint16_t)d8);
+        block32_put_values(WF_Q5, u, h);
+        wr16(l, rd16(s));
+        block32_put_values(WF_Q4S, n, l);
     }
     return 0;
 }
 
 int kiln_unpack_split_row(const kiln_wmat *hi, const kiln_wmat *lo, int row, uint8_t *dst, uint8_t *work) {
     if (hi->fmt != WF_Q5 || lo->fmt != WF_Q4S || hi->rows != lo->rows || hi->cols != lo->cols) return -1;
-    int nb = hi->cols / 32;
-    uint8_t *h = work, *l = work + (size_t)nb * 22;
+    int nb = hi->cols / 32, b8 = ggml_block_bytes(GGML_Q8_0), b5 = ggml_block_bytes(GGML_Q5_0),
+        b4 = ggml_block_bytes(GGML_Q4_0);
+    uint8_t *h = work, *l = work + (size_t)nb * b5;
     if (kiln_unpack_row(hi, row, h) < 0 || kiln_unpack_row(lo, row, l) < 0) return -1;
-    for (int b = 0; b < nb; b++, h += 22, l += 18, dst += 34) {
-        uint32_t high_bits = (uint32_t)h[2] | (uint32_t)h[3] << 8 | (uint32_t)h[4] << 16 | (uint32_t)h[5] << 24;
+    for (int b = 0; b < nb; b++, h += b5, l += b4, dst += b8) {
+        uint8_t u[32], n[32], q[32];
+        block32_values(WF_Q5, h, u);
+        block32_values(WF_Q4S, l, n);
+        for (int i = 0; i < 32; i++) q[i] = (uint8_t)(int8_t)(8 * (u[i] - 16) + (n[i] - 8));
         wr16(dst, rd16(l));
-        for (int i = 0; i < 32; i++) {
-            int shift = i >= 16 ? 4 : 0;
-            int u = (h[6 + (i & 15)] >> shift & 15) | (int)(high_bits >> i & 1) << 4, n = l[2 + (i & 15)] >> shift & 15;
-            dst[2 + i] = (uint8_t)(int8_t)(8 * (u - 16) + (n - 8));
-        }
+        block32_put_values(WF_Q8, q, dst);
     }
     return 0;
 }

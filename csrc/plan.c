@@ -712,7 +712,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
             /* a split head's two rows unpack through the scratch past the row (cols floats hold 128 bytes a
              * block of 32: the Q8_0 row's 34, then hi's 22 and lo's 18) */
             int failed = op->table_w2 ? kiln_unpack_split_row(op->table_w, op->table_w2, p->tokens[t], row,
-                                                              row + (size_t)op->cols / 32 * 34) < 0
+                                                              row + op->table_row_bytes) < 0
                          : op->table_w ? kiln_unpack_row(op->table_w, p->tokens[t], row) < 0
                                        : pread(op->table_fd, row, op->table_row_bytes, at) != (ssize_t)op->table_row_bytes;
             if (failed) {
