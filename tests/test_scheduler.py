@@ -17,10 +17,18 @@ VOCAB = 64
 class ScriptedEngine:
     """Each row's logits favour (its token + 1) % VOCAB, so greedy decoding counts upwards."""
 
-    def __init__(self, n_slots=4, n_ctx=256, max_batch=4, prefill_rows=8):
+    def __init__(self, n_slots=4, n_ctx=256, max_batch=4, prefill_rows=8, max_out=None):
         self.n_slots, self.n_ctx, self.max_batch, self.prefill_rows = n_slots, n_ctx, max_batch, prefill_rows
+        if max_out is not None:
+            self.max_out = max_out
         self.steps: list[dict] = []
+        self.copies: list[tuple[int, int, int]] = []
+        self.kv: list[list[int]] = [[] for _ in range(n_slots)]  # the token each position of a slot was fed
         self.fail_next = False
+
+    def copy_slot(self, src, dst, length):
+        self.copies.append((src, dst, length))
+        self.kv[dst] = self.kv[src][:length]
 
     def step(self, tokens, slots, positions, out_rows):
         self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),
@@ -28,7 +36,10 @@ class ScriptedEngine:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("simulated kernel fault")
-        assert len(tokens) <= self.prefill_rows
+        assert len(tokens) <= self.prefill_rows and len(out_rows) <= getattr(self, "max_out", self.prefill_rows)
+        for token, slot, pos in zip(tokens, slots, positions):
+            assert pos <= len(self.kv[slot]), f"slot {slot} fed position {pos} before {len(self.kv[slot])}"
+            self.kv[slot][pos:] = [token]
         logits = np.zeros((len(out_rows), VOCAB), np.float32)
         for i, row in enumerate(out_rows):
             logits[i, (tokens[row] + 1) % VOCAB] = 1.0
@@ -153,6 +164,81 @@ def test_prompt_cache_picks_the_slot_with_the_longest_prefix():
     assert engine.steps[n_steps]["positions"] == [len(same.seq.prompt_ids) - 1]
 
 
+def test_a_prefix_held_by_a_running_request_is_copied_not_prefilled():
+    engine = ScriptedEngine()
+    s = Scheduler(engine, n_slots=3, max_queue=4)
+    system = list(range(1, 7))  # a system prompt two clients share
+    first = Client(system + [20, 21], max_tokens=8)
+    s.submit(first.request)
+    run_steps(s, 3)
+    second = Client(system + [30], max_tokens=2)
+    s.submit(second.request)
+    n_steps = len(engine.steps)
+    run_steps(s, 1)
+    assert first.request in s.running and second.seq.slot != first.seq.slot
+    assert engine.copies == [(first.seq.slot, second.seq.slot, len(system))]
+    assert second.seq.timings.cached_tokens == len(system)
+    fed = [p for p, slot in zip(engine.steps[n_steps]["positions"], engine.steps[n_steps]["slots"]) if slot == second.seq.slot]
+    assert fed == [len(system)]
+    run_steps(s)
+    assert second.seq.output_ids == [31, 32]
+    assert engine.kv[second.seq.slot][: len(second.seq.all_ids) - 1] == second.seq.all_ids[:-1]
+
+    third = Client(system + [30, 31, 40], max_tokens=1)  # second's slot, now free, holds the most: no copy
+    s.submit(third.request)
+    run_steps(s)
+    assert third.seq.slot == second.seq.slot and third.seq.timings.cached_tokens == len(system) + 2
+    assert len(engine.copies) == 1
+
+
+def test_a_copied_prefix_decodes_as_its_own_prefill_would(tmp_path):
+    """The native engine: a request that copies a running request's prefix gets the logits a full prefill
+    of its prompt gives (a prefix of 21 tokens: two whole key groups of 8 and part of a third)."""
+    from kiln.engine.native import NativeEngine
+    from kiln.gguf import GGUFFile
+    from kiln.models import family_for
+    from kiln.synth import write_random_gguf
+
+    gguf = GGUFFile(write_random_gguf(tmp_path / "m.gguf", "tiny-llama", seed=3))
+    engine = NativeEngine(gguf, family_for(gguf), n_ctx=64, n_slots=2, threads=2)
+    rng = np.random.default_rng(4)
+    system, question = [int(t) for t in rng.integers(3, 500, 21)], [int(t) for t in rng.integers(3, 500, 5)]
+    alone = engine.forward(system + question, slot=1).reshape(-1)
+    engine.forward([int(t) for t in rng.integers(3, 500, 30)], slot=1)  # the slot the copy goes to, overwritten
+    s = Scheduler(engine, n_slots=2, max_queue=2)
+    first = Client(system + [7, 8, 9], max_tokens=6)
+    s.submit(first.request)
+    run_steps(s, 2)
+    logits = []
+    s.run = lambda batch: logits.append(out := Scheduler.run(s, batch)) or out
+    second = Client(system + question, max_tokens=1)
+    s.submit(second.request)
+    run_steps(s, 1)
+    assert second.seq.timings.cached_tokens == len(system) and first.request in s.running
+    np.testing.assert_allclose(logits[0][-1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_admitted_together_share_a_step_within_the_chunk_and_logits_limits():
+    engine = ScriptedEngine(n_slots=4, max_batch=4, prefill_rows=8, max_out=2)
+    s = Scheduler(engine, n_slots=4, max_queue=4)
+    clients = [Client([i, i + 1], max_tokens=2) for i in (10, 20, 30)]
+    for c in clients:
+        s.submit(c.request)
+    run_steps(s, 1)
+    # 6 prompt rows fit the step's 8, but 3 prompt ends want 3 logits rows of 2: the third prompt's
+    # last token waits for the next step
+    assert engine.steps[0]["positions"] == [0, 1, 0, 1, 0] and engine.steps[0]["out_rows"] == [1, 3]
+    late = Client(list(range(40, 47)), max_tokens=1)
+    s.submit(late.request)
+    run_steps(s, 1)
+    # one of the two decoding requests waits, leaving the third prompt's end a logits row; the new
+    # prompt takes the 6 rows left
+    step = engine.steps[1]
+    assert step["tokens"] == [12, 31, 40, 41, 42, 43, 44, 45] and step["out_rows"] == [0, 1]
+    run_steps(s)
+    assert [c.seq.output_ids for c in clients] == [[12, 13], [22, 23], [32, 33]] and late.seq.output_ids == [47]
+
+
 def test_cancel_frees_the_slot_at_the_next_step():
     engine = ScriptedEngine()
     s = Scheduler(engine, n_slots=1, max_queue=4)
@@ -189,7 +275,9 @@ def test_more_sequences_than_the_decode_batch_take_turns():
     clients = [Client([i], max_tokens=30) for i in range(6)]
     for c in clients:
         s.submit(c.request)
-    run_steps(s, 6)  # one prefill step each
+    run_steps(s, 1)  # the six one-token prompts prefill together
+    assert len(engine.steps[0]["out_rows"]) == 6
+    run_steps(s, 5)
     counts = [len(c.seq.output_ids) for c in clients]
     run_steps(s, 6)
     assert all(len(st["tokens"]) <= 4 for st in engine.steps[-6:])

@@ -163,6 +163,7 @@ def test_greedy_verification_takes_the_argmax_chain():
     engine = ScriptedEngine()  # greedy counts upwards: after t comes t + 1
     seq = Sequence([1, 2, 3], SamplingParams.greedy(), Letters(), 10, logprobs=0, speculation=Speculation(None, 4))
     seq.append(4)
+    engine.step([1, 2, 3], [0] * 3, range(3), [2])  # the prompt's KV
     rows = engine.step([4, 5, 6, 9, 10], [0] * 5, range(3, 8), range(5))
     assert verify(seq, Draft([5, 6, 9, 10]), rows) == [5, 6, 7]  # 9 rejected: the target's 7 instead
     t = seq.timings

@@ -3,9 +3,9 @@ schedule → run → postprocess.
 
 - schedule: drop cancelled requests, admit waiting ones into free slots, then build one batch: a decode
   row for every running sequence (up to the engine's decode batch, least recently stepped first), each
-  followed by the draft tokens of a speculating sequence while the step has rows for them, plus at most
-  one chunk of one prompt still being prefilled. A long prompt advances a chunk per step while the other
-  streams keep decoding, so it never freezes them.
+  followed by the draft tokens of a speculating sequence while the step has rows for them, plus up to
+  one chunk's rows of the prompts still being prefilled, oldest first. A long prompt advances a chunk per
+  step while the other streams keep decoding, so it never freezes them.
 - run: one `engine.step` for the whole batch.
 - postprocess: sample the rows that return logits (a speculating sequence takes the draft tokens the
   target accepts, then one of its own), retire finished sequences and remember what their slots now
@@ -14,8 +14,10 @@ schedule → run → postprocess.
 
 Prompt cache: every slot remembers the tokens its KV holds. A new request takes the free slot whose
 tokens share the longest prefix with its prompt (chat clients and agents resend their history) and
-prefills only the rest; the last prompt token is always recomputed, since its logits are needed. Rejected
-draft tokens leave KV behind them, which a slot never counts as held (later passes overwrite it).
+prefills only the rest; the last prompt token is always recomputed, since its logits are needed. When a
+running request's slot shares more of the prompt (a system prompt that many clients send), that prefix's
+KV is copied into the new request's slot instead. Rejected draft tokens leave KV behind them, which a
+slot never counts as held (later passes overwrite it).
 
 Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
@@ -194,16 +196,26 @@ class Scheduler:
                 self._admit(self.waiting.popleft())
         batch = Batch()
         decoding = sorted((r for r in self.running if not r.prefilling), key=lambda r: r.last_step)
-        decoding = decoding[: self.max_decode]
+        prefilling = [r for r in self.running if r.prefilling]
+        # a prompt's last row needs logits too: decode rows leave it one, else a full batch starves it
+        decoding = decoding[: min(self.max_decode, self.max_out - 1) if prefilling else self.max_decode]
         for req, draft in zip(decoding, self._drafts(decoding)):
             if draft is not None:
                 batch.add(req, [req.seq.output_ids[-1], *draft.tokens], 1 + len(draft.tokens), draft)
+        # Prompts share one chunk's rows a step, oldest first: a burst of requests prefills together
+        # and a long prompt still never holds the decode rows up for more than a chunk.
         budget = min(self.chunk, self.max_rows - len(batch.tokens))
-        prefill = next((r for r in self.running if r.prefilling), None)
-        if prefill is not None and budget > 0:
-            prompt = prefill.seq.prompt_ids
-            chunk = prompt[prefill.fed : prefill.fed + budget]
-            batch.add(prefill, chunk, int(prefill.fed + len(chunk) == len(prompt)))
+        outs = self.max_out - len(batch.out_rows)
+        for req in prefilling:
+            prompt = req.seq.prompt_ids
+            end = min(len(prompt), req.fed + budget)
+            if end == len(prompt) and outs == 0:
+                end -= 1  # its last row needs logits this step has no room for
+            if end > req.fed:
+                batch.add(req, prompt[req.fed : end], int(end == len(prompt)))
+                budget, outs = budget - (end - req.fed), outs - (end == len(prompt))
+            if budget <= 0:
+                break
         return batch
 
     def _drafts(self, decoding: list[Request]) -> list[Draft | None]:
@@ -326,11 +338,21 @@ class Scheduler:
             req.sink(Finished())
             return
         prompt = seq.prompt_ids
+        longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
         slot = max(self.free, key=lambda s: (common_prefix(self.slot_tokens[s], prompt), -self.slot_used[s]))
+        cached = min(common_prefix(self.slot_tokens[slot], prompt), longest)
+        # A busy slot may hold more of it (clients that send the same system prompt at once): then that
+        # prefix's KV is copied into the least recently used free slot, for a fraction of a prefill's cost.
+        shared, source = max(((min(common_prefix(r.seq.all_ids[: r.fed], prompt), longest), r.seq.slot)
+                              for r in self.running), default=(0, None))
+        if shared > cached:
+            slot = min(self.free, key=lambda s: self.slot_used[s])
+            self.engine.copy_slot(source, slot, shared)
+            cached = shared
         self.free.remove(slot)
         seq.slot = slot
-        req.fed = seq.timings.cached_tokens = min(common_prefix(self.slot_tokens[slot], prompt), len(prompt) - 1)
+        req.fed = seq.timings.cached_tokens = cached
         self.running.append(req)
 
     def _retire(self, req: Request, reason: str, error: str | None = None) -> None:
