@@ -9,6 +9,9 @@ no running or waiting request (no slot leak).
 Phase 2 (throughput): 1 client, then K clients, each streaming fixed-length answers back to back for S
 seconds; prints the aggregate generated tok/s of each and their ratio (how much batching buys).
 
+Phase 3 (burst): one request puts a long system prompt in one slot, then B requests that share it arrive
+at once, for R rounds; prints each round's cached prompt tokens and TTFT (the server's timings).
+
 Bounded: time by --duration/--ratio-seconds, count by --max-requests and at most 256 clients; only
 loopback URLs are accepted. Exit status 0 when every check passed.
 
@@ -33,6 +36,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TOPICS = ["the sea", "a lighthouse keeper", "volcanoes", "a robot learning to paint", "the history of bread",
           "why the sky is blue", "a chess match", "migrating birds"]
 SYSTEM = "You are a helpful assistant. Answer in plain prose."  # shared by every prompt: the prompt cache reuses it
+BURST_SYSTEM = " ".join(["You answer questions about parcels for a shipping company, briefly and politely."] * 20)
 
 
 @dataclass
@@ -65,12 +69,14 @@ def parse_args(argv=None):
     p.add_argument("--max-requests", type=int, default=100_000, help="stop starting requests after this many")
     p.add_argument("--ratio-clients", type=int, default=8)
     p.add_argument("--ratio-seconds", type=float, default=30.0, help="seconds of each throughput run (0 skips them)")
+    p.add_argument("--burst-clients", type=int, default=8, help="requests of each burst")
+    p.add_argument("--burst-rounds", type=int, default=2, help="bursts (0 skips them)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}), not {args.url}")
-    if not 1 <= args.clients <= 256 or not 1 <= args.ratio_clients <= 256:
-        p.error("--clients and --ratio-clients must be between 1 and 256")
+    if not all(1 <= n <= 256 for n in (args.clients, args.ratio_clients, args.burst_clients)):
+        p.error("--clients, --ratio-clients and --burst-clients must be between 1 and 256")
     return args
 
 
@@ -182,6 +188,33 @@ async def throughput(args, client: httpx.AsyncClient, n_clients: int) -> dict:
             "tok_per_s": round(stats.tokens / elapsed, 2) if elapsed > 0 else 0.0, "failures": stats.failures}
 
 
+async def burst(args, client: httpx.AsyncClient, stats: Stats) -> list[dict]:
+    """Bursts of requests sharing a long system prompt that one slot holds: what each reuses, and its TTFT."""
+    def chat(question: str, max_tokens: int) -> dict:
+        return {"model": args.model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "system", "content": BURST_SYSTEM}, {"role": "user", "content": question}]}
+
+    rounds = []
+    for r in range(args.burst_rounds):
+        await client.post("/v1/chat/completions", json=chat(f"Round {r}: is the office open?", 1))
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(
+            f"Round {r}, question {i}: where is parcel {1000 * r + i}?", 8)) for i in range(args.burst_clients)))
+        timings = []
+        for reply in replies:
+            body = reply.json()
+            if reply.status_code == 503 and body.get("error", {}).get("code") == "queue_full":
+                stats.queue_full += 1
+            elif reply.status_code != 200 or "timings" not in body:
+                stats.fail(f"burst: HTTP {reply.status_code}: {str(body)[:200]}")
+            else:
+                timings.append(body["timings"])
+        ttft = [t["ttft_ms"] for t in timings]
+        rounds.append({"requests": len(timings), "prompt_tokens": [t["prompt_n"] + t["cache_n"] for t in timings],
+                       "cached_tokens": [t["cache_n"] for t in timings],
+                       "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_max": round(max(ttft), 1) if ttft else None})
+    return rounds
+
+
 async def gauge(client: httpx.AsyncClient, name: str) -> float:
     text = (await client.get("/metrics")).text
     match = re.search(rf"^{name} (\S+)$", text, re.M)
@@ -217,12 +250,13 @@ async def main(args) -> int:
                 for failure in run["failures"]:
                     stats.fail(f"throughput run with {run['clients']} clients: {failure}")
             ratio = {"one": one, "many": many, "ratio": round(many["tok_per_s"] / one["tok_per_s"], 2) if one["tok_per_s"] else None}
+        bursts = await burst(args, client, stats)
     samples = ("ttft_ms", "queue_ms", "server_ttft_ms")
     summary = {k: v for k, v in asdict(stats).items() if k not in samples}
     for name in samples:
         summary[f"{name}_p50"], summary[f"{name}_p95"] = percentile(getattr(stats, name), 50), percentile(getattr(stats, name), 95)
     result = {"stress": {**summary, "seconds": round(stress_seconds, 1), "tok_per_s": round(stats.tokens / stress_seconds, 2)},
-              "throughput": ratio, "ok": not stats.failures}
+              "throughput": ratio, "burst": bursts, "ok": not stats.failures}
     s = result["stress"]
     print(f"stress: {s['started']} requests, {s['completed']} completed, {s['disconnected']} dropped by the client, "
           f"{s['queue_full']} queue-full 503s, statuses {s['statuses']}, {s['tokens']} tokens "
@@ -231,6 +265,9 @@ async def main(args) -> int:
     if ratio:
         print(f"throughput: 1 client {ratio['one']['tok_per_s']} tok/s, {ratio['many']['clients']} clients "
               f"{ratio['many']['tok_per_s']} tok/s, ratio {ratio['ratio']}")
+    for i, b in enumerate(bursts):
+        print(f"burst {i}: {b['requests']} requests of {min(b['prompt_tokens'], default=0)}-{max(b['prompt_tokens'], default=0)} "
+              f"prompt tokens, cached {sorted(b['cached_tokens'])}; TTFT median {b['ttft_ms_p50']} ms, max {b['ttft_ms_max']} ms")
     for failure in stats.failures:
         print(f"FAIL: {failure}")
     print("ok" if result["ok"] else "FAILED")

@@ -218,25 +218,35 @@ def test_a_copied_prefix_decodes_as_its_own_prefill_would(tmp_path):
     np.testing.assert_allclose(logits[0][-1], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_prompts_admitted_together_share_a_step_within_the_chunk_and_logits_limits():
-    engine = ScriptedEngine(n_slots=4, max_batch=4, prefill_rows=8, max_out=2)
+def test_short_prompts_join_a_step_while_it_stays_decode_sized():
+    engine = ScriptedEngine(n_slots=4, max_batch=4, prefill_rows=8)
+    s = Scheduler(engine, n_slots=4, max_queue=4)
+    long = Client(list(range(10, 20)), max_tokens=1)
+    short = [Client([i], max_tokens=2) for i in (30, 40, 50)]
+    for c in (long, *short):
+        s.submit(c.request)
+    run_steps(s, 2)
+    assert engine.steps[0]["tokens"] == list(range(10, 18))  # the oldest prompt's chunk fills the step
+    # its last 2 rows, then whole prompts while the step has at most 4 rows
+    assert engine.steps[1]["tokens"] == [18, 19, 30, 40] and engine.steps[1]["out_rows"] == [1, 2, 3]
+    run_steps(s)
+    assert long.seq.output_ids == [20] and [c.seq.output_ids for c in short] == [[31, 32], [41, 42], [51, 52]]
+
+
+def test_a_prompt_end_is_not_starved_of_logits_rows():
+    engine = ScriptedEngine(n_slots=4, max_batch=8, prefill_rows=8, max_out=2)
     s = Scheduler(engine, n_slots=4, max_queue=4)
     clients = [Client([i, i + 1], max_tokens=2) for i in (10, 20, 30)]
     for c in clients:
         s.submit(c.request)
     run_steps(s, 1)
-    # 6 prompt rows fit the step's 8, but 3 prompt ends want 3 logits rows of 2: the third prompt's
-    # last token waits for the next step
-    assert engine.steps[0]["positions"] == [0, 1, 0, 1, 0] and engine.steps[0]["out_rows"] == [1, 3]
-    late = Client(list(range(40, 47)), max_tokens=1)
-    s.submit(late.request)
+    # 2 logits rows: two prompts end in the first step; the third waits
+    assert engine.steps[0]["positions"] == [0, 1, 0, 1] and engine.steps[0]["out_rows"] == [1, 3]
     run_steps(s, 1)
-    # one of the two decoding requests waits, leaving the third prompt's end a logits row; the new
-    # prompt takes the 6 rows left
-    step = engine.steps[1]
-    assert step["tokens"] == [12, 31, 40, 41, 42, 43, 44, 45] and step["out_rows"] == [0, 1]
+    # one of the two decoding requests waits, leaving the third prompt's end a logits row
+    assert engine.steps[1]["tokens"] == [12, 30, 31] and engine.steps[1]["out_rows"] == [0, 2]
     run_steps(s)
-    assert [c.seq.output_ids for c in clients] == [[12, 13], [22, 23], [32, 33]] and late.seq.output_ids == [47]
+    assert [c.seq.output_ids for c in clients] == [[12, 13], [22, 23], [32, 33]]
 
 
 def test_cancel_frees_the_slot_at_the_next_step():
@@ -275,9 +285,7 @@ def test_more_sequences_than_the_decode_batch_take_turns():
     clients = [Client([i], max_tokens=30) for i in range(6)]
     for c in clients:
         s.submit(c.request)
-    run_steps(s, 1)  # the six one-token prompts prefill together
-    assert len(engine.steps[0]["out_rows"]) == 6
-    run_steps(s, 5)
+    run_steps(s, 6)  # every prompt prefilled by then
     counts = [len(c.seq.output_ids) for c in clients]
     run_steps(s, 6)
     assert all(len(st["tokens"]) <= 4 for st in engine.steps[-6:])

@@ -3,9 +3,9 @@ schedule → run → postprocess.
 
 - schedule: drop cancelled requests, admit waiting ones into free slots, then build one batch: a decode
   row for every running sequence (up to the engine's decode batch, least recently stepped first), each
-  followed by the draft tokens of a speculating sequence while the step has rows for them, plus up to
-  one chunk's rows of the prompts still being prefilled, oldest first. A long prompt advances a chunk per
-  step while the other streams keep decoding, so it never freezes them.
+  followed by the draft tokens of a speculating sequence while the step has rows for them, plus a chunk
+  of the oldest prompt still being prefilled (and any later ones that fit whole in a decode-sized step).
+  A long prompt advances a chunk per step while the other streams keep decoding, so it never freezes them.
 - run: one `engine.step` for the whole batch.
 - postprocess: sample the rows that return logits (a speculating sequence takes the draft tokens the
   target accepts, then one of its own), retire finished sequences and remember what their slots now
@@ -202,20 +202,24 @@ class Scheduler:
         for req, draft in zip(decoding, self._drafts(decoding)):
             if draft is not None:
                 batch.add(req, [req.seq.output_ids[-1], *draft.tokens], 1 + len(draft.tokens), draft)
-        # Prompts share one chunk's rows a step, oldest first: a burst of requests prefills together
-        # and a long prompt still never holds the decode rows up for more than a chunk.
-        budget = min(self.chunk, self.max_rows - len(batch.tokens))
+        # The oldest prompt takes up to a chunk; later ones join whole while the step stays within the
+        # decode batch's rows, where a row costs far less than its share (the weights are read once for
+        # all). Beyond that a row costs the same in any step, and prompts one after another give the
+        # lower mean time to first token.
         outs = self.max_out - len(batch.out_rows)
-        for req in prefilling:
+        for i, req in enumerate(prefilling):
             prompt = req.seq.prompt_ids
-            end = min(len(prompt), req.fed + budget)
-            if end == len(prompt) and outs == 0:
-                end -= 1  # its last row needs logits this step has no room for
+            if i == 0:
+                end = min(len(prompt), req.fed + min(self.chunk, self.max_rows - len(batch.tokens)))
+                if end == len(prompt) and outs == 0:
+                    end -= 1  # its last row needs logits this step has no room for
+            elif outs > 0 and len(batch.tokens) + len(prompt) - req.fed <= self.max_decode:
+                end = len(prompt)
+            else:
+                continue
             if end > req.fed:
                 batch.add(req, prompt[req.fed : end], int(end == len(prompt)))
-                budget, outs = budget - (end - req.fed), outs - (end == len(prompt))
-            if budget <= 0:
-                break
+                outs -= end == len(prompt)
         return batch
 
     def _drafts(self, decoding: list[Request]) -> list[Draft | None]:
