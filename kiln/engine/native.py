@@ -424,7 +424,8 @@ class NativeEngine:
             raise RequestError(f"position {bad} is outside the context of {self.n_ctx}", param="positions")
         plan = self.decode_plan if n <= self.max_batch else self.prefill_plan
         if n > plan.rows or n_out > plan.out_rows:
-            raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows}")
+            raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows} "
+                             f"({plan.out_rows} with logits)")
         inp = plan.inputs
         inp["tokens"][:n] = tokens
         inp["slots"][:n] = slots
