@@ -249,10 +249,9 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     """What loading `ref` allocates, computed from the GGUF without loading it: the packed weight arena
     (exact: each matrix's packed size rounded as the engine places it), the KV cache (exact) and the
     plans' working buffers (an upper-bound estimate from the shapes)."""
-    from kiln import _native
     from kiln.engine.compile import Recorder
     from kiln.engine.model import DEFAULT_CTX
-    from kiln.engine.native import NativeEngine, heads_of, packed_names, packed_parts
+    from kiln.engine.native import NativeEngine, arena_bytes, heads_of, packed_names, packed_parts
     from kiln.errors import KilnError
     from kiln.gguf import GGUFFile
     from kiln.models import family_for
@@ -273,7 +272,7 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
             t = gguf.info(name)
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
             for ggml in packed_parts(int(t.type), rows, cols, split=name in heads_of(root)):
-                weights += -(-_native.pack_size(ggml, rows, cols) // 4096) * 4096
+                weights += arena_bytes(ggml, rows, cols)
         huge = 2 * MiB  # arenas are whole huge pages
         weights = -(-max(weights, 1) // huge) * huge
         kv_ctx = -(-n_ctx // 8) * 8  # the engine keeps keys in whole groups of 8 positions

@@ -161,7 +161,7 @@ class PackedWeights:
         for name, ps in parts.items():
             for i, (ggml, _) in enumerate(ps):
                 offsets[name, i] = total
-                total += -(-_native.pack_size(ggml, *shapes[name][1:]) // 4096) * 4096
+                total += arena_bytes(ggml, *shapes[name][1:])
         self.arena = _native.Arena(max(total, 1))
         layouts = {}
         for name, ps in parts.items():
@@ -239,6 +239,11 @@ def packed_type(ggml: int, rows: int, cols: int) -> int:
     if _native.pack_size(ggml, rows, cols):
         return ggml
     return int(EXACT_REWRITES[ggml][0]) if ggml in EXACT_REWRITES else int(QT.Q8_0)
+
+
+def arena_bytes(ggml: int, rows: int, cols: int) -> int:
+    """What a matrix packed as GGUF type `ggml` takes in the weights arena: its parts start on 4 KiB pages."""
+    return -(-_native.pack_size(ggml, rows, cols) // 4096) * 4096
 
 
 def packed_parts(ggml: int, rows: int, cols: int, split: bool) -> list[int]:
