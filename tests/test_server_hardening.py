@@ -5,7 +5,9 @@ template that never finishes, a 50 MB prompt, lone surrogates, NaN, and SIGTERM 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
+import socket
 import threading
 import time
 
@@ -166,6 +168,30 @@ def test_bad_text_numbers_and_names_are_400(server):
     assert r.status_code == 400 and "too long" in r.json()["error"]
     r = httpx.post(f"{server.url}/api/show", json={"model": "x" * 100_000})
     assert r.status_code == 400
+
+
+def test_an_abandoned_embedding_request_is_cancelled(server):
+    inputs = [f"{i} " + "word " * 40 for i in range(8000)]  # distinct prompts: some tens of seconds of work
+    body = json.dumps({"model": "tiny", "input": inputs}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def busy():
+        model = httpx.get(f"{server.url}/api/ps").json()["models"]
+        return bool(model) and model[0]["running"] + model[0]["waiting"] > 0
+
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while not busy():  # its inputs are tokenized; now they run
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    deadline, idle_since = time.monotonic() + 6, None  # idle for a second on end: not a gap between batches
+    while time.monotonic() < deadline and (idle_since is None or time.monotonic() - idle_since < 1.0):
+        idle_since = None if busy() else idle_since or time.monotonic()
+        time.sleep(0.05)
+    assert idle_since is not None and time.monotonic() - idle_since >= 1.0, "the embeddings kept running"
+    assert generate(server.url).status_code == 200
 
 
 def test_sigterm_stops_the_server_mid_request(tmp_path):
