@@ -177,7 +177,10 @@ class _Worker:
         if not select.select([self.process.stdout], [], [], seconds)[0]:
             return None
         line = self.process.stdout.readline()
-        return json.loads(line) if line else None
+        try:
+            return json.loads(line) if line else None
+        except ValueError:  # not what the worker writes: something the template reached did
+            return None
 
     def close(self) -> None:
         self.process.kill()

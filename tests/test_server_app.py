@@ -131,6 +131,14 @@ def test_bodies_are_typed_bounded_and_strict(make_client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
         r = client.post("/api/generate", json={"model": "m" * 300, "prompt": "x"})
         assert r.status_code == 400 and "too long" in r.json()["error"]
+    with make_client(max_upload_bytes=1000) as client:
+        r = client.post("/api/chat", content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nests too deeply" in r.json()["error"]
+        digest = "sha256:" + "0" * 64
+        r = client.post(f"/api/blobs/{digest}", content=b"x" * 1001)
+        assert r.status_code == 413 and "--max-upload-bytes" in r.json()["error"]
+        r = client.post(f"/api/blobs/{digest}", content=iter([b"x" * 600, b"x" * 600]))  # no length: counted
+        assert r.status_code == 413 and not client.head(f"/api/blobs/{digest}").status_code == 200
 
 
 @pytest.mark.parametrize("flags,message", [(["--max-body-bytes", "0"], "--max-body-bytes must be a positive size"),

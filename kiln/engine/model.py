@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.gguf import GGUFFile
-from kiln.models import Family, family_for
+from kiln.models import family_for
 from kiln.models.base import ModelConfig
 from kiln.tokenizer import Tokenizer
 
@@ -49,7 +49,8 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
     store = store or Store()
     record = store.ensure(ref, progress=progress)
     cache_dir = store.cache_dir(record)
-    gguf, family = open_model(record.path)
+    gguf = GGUFFile(record.path)
+    family = family_for(gguf)
     cfg = family.config
     n_ctx = min(cfg.context_length, DEFAULT_CTX) if n_ctx is None else n_ctx
     if not 1 <= n_ctx <= cfg.context_length:
@@ -60,17 +61,6 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
     load_ms = (time.perf_counter() - t0) * 1e3
     return Model(record.tag, Path(record.path), record.sha256, gguf, cfg, tokenizer, engine, n_ctx, load_ms,
                  cache_dir, record.sampling_defaults(), record.system, list(record.parameters.get("stop", [])))
-
-
-def open_model(path) -> tuple[GGUFFile, Family]:
-    """The file parsed and checked as a model of a family kiln runs: what every load, and every upload
-    before it becomes a model, goes through first."""
-    gguf = GGUFFile(path)
-    try:
-        return gguf, family_for(gguf)
-    except BaseException:
-        gguf.close()
-        raise
 
 
 def release_free_heap() -> None:

@@ -144,7 +144,7 @@ class HostAllowlist:
             return None
         names |= {"localhost", "127.0.0.1", "::1"}
         if bind_host not in ("", "0.0.0.0", "::", "[::]"):
-            names.add(_host_name(bind_host if ":" not in bind_host.strip("[]") else f"[{bind_host.strip('[]')}]"))
+            names.add(_host_name(bind_host))
         return frozenset(names)
 
     def allows(self, host: str) -> bool:
@@ -285,6 +285,8 @@ def _strict_json_problem(body: bytes) -> tuple[str, str] | None:
         value = json.loads(body, parse_constant=lambda _: _NotFinite(), parse_float=_finite)
     except ValueError:
         return None
+    except RecursionError:
+        return "invalid request: the body nests too deeply", "body"
     stack = [("", value)]
     while stack:
         where, value = stack.pop()

@@ -308,18 +308,22 @@ async def create(body: CreateRequest, request: Request):
 
 
 def _check_upload(store, digest: str) -> None:
-    """An uploaded file becomes a model only once it opens as every model load opens it (the upload
-    itself checked only that it is a GGUF file), so a bad one is refused here, not by a later chat."""
-    from kiln.engine.model import open_model
+    """An uploaded file becomes a model only once it passes the checks every model load makes (the
+    upload itself checked only that it is a GGUF file), so a bad one is refused here, not by a later chat."""
+    from kiln.gguf import GGUFFile
+    from kiln.models import family_for
 
     path = store.blob_path(digest)
     if not path.is_file():
         return  # the store names the missing upload
     try:
-        gguf, _ = open_model(path)
+        gguf = GGUFFile(path)
+        try:
+            family_for(gguf)  # what kiln.engine.model.load checks a file with
+        finally:
+            gguf.close()
     except ModelFileError as e:
         raise RequestError(f"files: the uploaded {digest[:19]}... is not a model kiln can load: {e}", "files") from None
-    gguf.close()
 
 
 @router.head("/blobs/{digest}", responses={404: {"description": "No such blob"}}, summary="Whether a blob is stored")
