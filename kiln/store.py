@@ -411,7 +411,7 @@ class Store:
 
     def has_blob(self, digest: str) -> bool:
         """Whether the store holds the blob `digest` ("sha256:<hex>")."""
-        return self._blob_path(_digest_hex(digest)).is_file()
+        return self.blob_path(digest).is_file()
 
     def blob_path(self, digest: str) -> Path:
         """Where the blob `digest` ("sha256:<hex>") is, or would be, stored."""

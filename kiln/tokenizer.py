@@ -205,9 +205,9 @@ class Tokenizer:
         twice: text that already starts with the BOS token (a rendered chat template) keeps just that one.
         With `max_tokens`, text too long to be that few tokens is refused before the work of encoding it."""
         if max_tokens is not None and len(text) > self.max_chars(max_tokens):
-            raise ContextLengthError(f"the prompt is {len(text)} characters, more than a context of {max_tokens} tokens can hold "
-                                     f"(a token of this vocabulary is at most {self.max_chars(1)} characters); "
-                                     "kiln does not truncate prompts")
+            raise ContextLengthError(f"the prompt is {len(text)} characters, more than a context of {max_tokens} "
+                                     f"tokens can hold (a token of this vocabulary is at most {self.max_chars(1)} "
+                                     "characters); kiln does not truncate prompts")
         with self._lock:
             self._backend.encode_special_tokens = not parse_special
             ids = self._backend.encode(text, add_special_tokens=False).ids

@@ -108,6 +108,9 @@ def test_hosts_and_origins_are_allowlists(make_client):
         assert client.get("/api/tags", headers={"Host": "anything.example"}).status_code == 200
         assert client.post("/api/copy", json={"source": "a", "destination": "b"},
                            headers={"Origin": "https://anywhere.example"}).status_code != 403
+    with make_client(bind_host="0.0.0.0") as client:  # reachable from the network, still answering only loopback names
+        assert client.get("/api/tags", headers={"Host": "192.168.7.7:11500"}).status_code == 403
+        assert client.get("/api/tags", headers={"Host": "localhost:11500"}).status_code == 200
     with make_client(bind_host="192.168.7.7") as client:
         assert client.get("/api/tags", headers={"Host": "192.168.7.7:11500"}).status_code == 200
         assert client.get("/api/tags", headers={"Host": "192.168.7.8:11500"}).status_code == 403

@@ -63,7 +63,8 @@ def cmd_serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
-    max_body, max_upload = parse_size(args.max_body_bytes, "--max-body-bytes"), parse_size(args.max_upload_bytes, "--max-upload-bytes")
+    max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
+    max_upload = parse_size(args.max_upload_bytes, "--max-upload-bytes")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
                         threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
                         speculative=spec_from_args(args), draft_model=args.draft_model)

@@ -162,8 +162,7 @@ class HostAllowlist:
             return await self.app(scope, receive, send)
         message = (f"Host {host[:100]!r} is not allowed: kiln answers loopback names and the hosts given with "
                    "--allowed-hosts or KILN_ALLOWED_HOSTS")
-        await error_response(scope["path"], 403, message, code="host_not_allowed", type_="permission_error")(
-            scope, receive, send)
+        await error_response(scope["path"], 403, message, code="host_not_allowed")(scope, receive, send)
 
 
 class OriginAllowlist:
@@ -187,8 +186,7 @@ class OriginAllowlist:
             return await self.app(scope, receive, send)
         message = (f"Origin {origin[:100]!r} is not allowed to {scope['method']} here: allow it with --cors or "
                    "KILN_ORIGINS")
-        await error_response(scope["path"], 403, message, code="origin_not_allowed", type_="permission_error")(
-            scope, receive, send)
+        await error_response(scope["path"], 403, message, code="origin_not_allowed")(scope, receive, send)
 
 
 class BodyTooLarge(HTTPException):
@@ -233,7 +231,8 @@ class RequestBodies:
         media = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if body and media != "application/json" and (
                 _header(scope, b"origin") is not None or media not in ("", "application/x-www-form-urlencoded")):
-            message = f"the request body must be JSON sent as Content-Type: application/json, not {media[:100] or 'untyped'}"
+            message = ("the request body must be JSON sent as Content-Type: application/json, "
+                       f"not {media[:100] or 'untyped'}")
             return await error_response(path, 415, message, param="body")(scope, receive, send)
         problem = _strict_json_problem(bytes(body))
         if problem is not None:
@@ -293,7 +292,8 @@ def _strict_json_problem(body: bytes) -> tuple[str, str] | None:
         if isinstance(value, dict):
             for key, item in value.items():
                 if not _valid_text(key):
-                    return f"invalid request: a key in {where or 'the body'} is not valid Unicode (a lone surrogate)", where or "body"
+                    return (f"invalid request: a key in {where or 'the body'} is not valid Unicode (a lone surrogate)",
+                            where or "body")
                 stack.append((f"{where}.{key}" if where else key, item))
         elif isinstance(value, list):
             stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))

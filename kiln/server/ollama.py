@@ -46,7 +46,8 @@ class _Model(BaseModel):
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # Ollama accepts options kiln does not use; they are logged
+    # Ollama accepts options kiln does not use; they are logged
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)

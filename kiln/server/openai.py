@@ -37,7 +37,8 @@ _ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `pa
 
 # --- request models --------------------------------------------------------------------------------
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # clients send fields kiln has no use for (user, metadata, store)
+    # clients send fields kiln has no use for (user, metadata, store); "NaN" in a string reads as a float too
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class ContentPart(_Model):

@@ -25,7 +25,7 @@ from kiln.chat import ChatTemplateError
 from kiln.engine.scheduler import Embedded, Finished, QueueFullError, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import ModelDrafter, SpecOptions
-from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
+from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError, without_paths
 from kiln.server import tools as toolcalls
 from kiln.server.metrics import Metrics
 from kiln.server.tools import ToolCall, ToolCallParser
@@ -392,7 +392,8 @@ def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
     for i, item in enumerate(inputs):
         where = f"{param}[{i}]" if len(inputs) > 1 else param
         try:
-            ids = _token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item, max_tokens=n_ctx)
+            ids = (_token_ids(item, tok.vocab_size, where) if isinstance(item, list)
+                   else tok.encode(item, max_tokens=n_ctx))
         except ContextLengthError as e:
             e.param = where
             raise
@@ -572,7 +573,7 @@ class Generation:
         elif reason == "stop" and errors:
             reason = "invalid_tool_call"
         return Final(self.loaded.tag, self.seq, reason, "".join(self._text), self._calls,
-                     "; ".join(errors) or None, event.error)
+                     "; ".join(errors) or None, event.error and without_paths(event.error))  # it goes to the client
 
     async def _account(self) -> None:
         t = self.seq.timings
