@@ -5,9 +5,10 @@ A chat template comes inside a model file, so it is untrusted code: it runs in j
 a sandbox violation, `raise_exception`, a runtime error) surfaces as `ChatTemplateError`.
 
 The sandbox bounds neither work nor memory (two nested `range(100000)` loops never end), so templates
-render in a worker process (`python -m kiln.chat`) under a budget: RENDER_SECONDS of time (past it the
-worker is killed and replaced), RENDER_MEMORY of address space, and an output length the caller gives
-(what its context can hold). A request waits at most the budget, and nothing else waits on it.
+render in worker processes (`python -m kiln.chat`, at most _WORKERS) under a budget: RENDER_SECONDS of
+time (past it the worker is killed and replaced), RENDER_MEMORY of address space, and an output length
+the caller gives (what its context can hold). A template that never finishes costs its request the
+budget and holds up nothing else for longer.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kiln.errors import ContextLengthError, KilnError, RequestError
 RENDER_SECONDS = 2.0  # a render's time budget; templates take about a millisecond (docs/PERF.md)
 RENDER_MEMORY = 1 << 30  # the render worker's address space
 _STARTUP_SECONDS = 60.0  # a worker's start (an interpreter and jinja2) on a busy machine
-_IDLE_WORKERS = 4  # kept for the next renders; more are started while that many are busy
+_WORKERS = 4  # renders at once; more wait their turn (each takes at most RENDER_SECONDS)
 
 
 class ChatTemplateError(KilnError):
@@ -194,27 +195,42 @@ class _Worker:
 
 _idle: list[_Worker] = []
 _idle_lock = threading.Lock()
+_turns = threading.BoundedSemaphore(_WORKERS)  # a burst of requests starts no more workers than this
+
+
+def warm() -> None:
+    """Start a worker now, so that the first render does not wait for one (if none starts, that render
+    says so)."""
+    with _turns:
+        try:
+            _give_back(_take())
+        except KilnError:
+            pass
+
+
+def _take() -> _Worker:
+    with _idle_lock:
+        worker = _idle.pop() if _idle else None
+    return worker if worker is not None and worker.process.poll() is None else _Worker()
+
+
+def _give_back(worker: _Worker) -> None:
+    with _idle_lock:
+        _idle.append(worker)
 
 
 def _render_in_worker(request: dict) -> dict:
     line = (json.dumps(request) + "\n").encode()
-    with _idle_lock:
-        worker = _idle.pop() if _idle else None
-    if worker is None or worker.process.poll() is not None:
-        worker = _Worker()
-    answer = worker.ask(line, RENDER_SECONDS)
-    if answer is None:
-        code = worker.process.returncode
-        if code is not None and code < 0 and code != -9:  # a signal of its own: a crash, not our kill
-            return {"error": f"chat template crashed the renderer (signal {-code})"}
-        return {"error": f"chat template did not finish rendering within its {RENDER_SECONDS:g} s budget"}
-    with _idle_lock:
-        if len(_idle) < _IDLE_WORKERS:
-            _idle.append(worker)
-            worker = None
-    if worker is not None:
-        worker.close()
-    return answer
+    with _turns:
+        worker = _take()
+        answer = worker.ask(line, RENDER_SECONDS)
+        if answer is not None:
+            _give_back(worker)
+            return answer
+    code = worker.process.returncode
+    if code is not None and code < 0 and code != -9:  # a signal of its own: a crash, not our kill
+        return {"error": f"chat template crashed the renderer (signal {-code})"}
+    return {"error": f"chat template did not finish rendering within its {RENDER_SECONDS:g} s budget"}
 
 
 @atexit.register

@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from kiln.chat import ChatTemplateError
+from kiln.chat import ChatTemplateError, warm as warm_renderer
 from kiln.engine.scheduler import Embedded, Finished, QueueFullError, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import ModelDrafter, SpecOptions
@@ -258,6 +258,7 @@ class Runtime:
                     raise
         finally:
             self.loading = None
+        await asyncio.to_thread(warm_renderer)  # the first chat then finds a template worker waiting
         scheduler = Scheduler(model.engine, s.parallel, s.max_queue, s.prefill_chunk)
         scheduler.start()
         self.loaded = Loaded(model, scheduler, record, drafter=drafter)
