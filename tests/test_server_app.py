@@ -180,3 +180,18 @@ def test_a_full_disk_is_one_line_without_paths(monkeypatch, capsys, tmp_path):
     assert err == "kiln: error: kiln pull: the disk is full (model.gguf); free some space and try again\n"
     message = f"{tmp_path}/blobs/sha256-ab: bad; upload it (POST /api/blobs/sha256:ab)"
     assert without_paths(message) == "sha256-ab: bad; upload it (POST /api/blobs/sha256:ab)"
+
+
+def test_a_swap_waits_for_busy_requests_only_so_long(tmp_path, monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from kiln.engine.scheduler import QueueFullError
+    from kiln.server import runtime as rt
+
+    monkeypatch.setattr(rt, "SWAP_WAIT_S", 0.2)
+    runtime = rt.Runtime(Settings(), Store(home=tmp_path))
+    runtime.loaded = rt.Loaded(model=None, scheduler=None, record=SimpleNamespace(tag="busy:latest"), active=1)
+    with pytest.raises(QueueFullError, match=r"busy:latest is still answering 1 request\(s\) after 0.2 s"):
+        asyncio.run(runtime.unload())
+    assert runtime.loaded.active == 1  # nothing was unloaded under its request
