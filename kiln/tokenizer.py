@@ -20,6 +20,7 @@ import json
 import os
 import threading
 from array import array
+from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
-from kiln.errors import KilnError, ModelFileError
+from kiln.errors import ContextLengthError, KilnError, ModelFileError
 from kiln.gguf import GGUFFile
 
 # llama.cpp's token types (gguf `tokenizer.ggml.token_type`).
@@ -198,9 +199,15 @@ class Tokenizer:
                    stop_ids=frozenset(state["stop_ids"]), chat_template=state["chat_template"], source=str(gguf.path))
 
     # --- encoding ---------------------------------------------------------------------------------
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+               max_tokens: int | None = None) -> list[int]:
         """Token ids for `text`. BOS is prepended per the file unless `add_bos` says otherwise, and never
-        twice: text that already starts with the BOS token (a rendered chat template) keeps just that one."""
+        twice: text that already starts with the BOS token (a rendered chat template) keeps just that one.
+        With `max_tokens`, text too long to be that few tokens is refused before the work of encoding it."""
+        if max_tokens is not None and len(text) > self.max_chars(max_tokens):
+            raise ContextLengthError(f"the prompt is {len(text)} characters, more than a context of {max_tokens} "
+                                     f"tokens can hold (a token of this vocabulary is at most {self.max_chars(1)} "
+                                     "characters); kiln does not truncate prompts")
         with self._lock:
             self._backend.encode_special_tokens = not parse_special
             ids = self._backend.encode(text, add_special_tokens=False).ids
@@ -209,6 +216,14 @@ class Tokenizer:
                 raise KilnError(f"{self.source} has no BOS token (tokenizer.ggml.bos_token_id) to add")
             ids.insert(0, self.bos_id)
         return ids
+
+    def max_chars(self, n_tokens: int) -> int:
+        """The longest text `n_tokens` tokens can stand for: each covers at most its longest token's bytes."""
+        return n_tokens * self._longest_token
+
+    @cached_property
+    def _longest_token(self) -> int:
+        return max(self._tokens.longest(), self._bytes.longest(), 1)
 
     # --- decoding ---------------------------------------------------------------------------------
     def token_bytes(self, token_id: int) -> bytes:
@@ -249,14 +264,16 @@ class Tokenizer:
         return self._file_chat_template or fallback_template(self.token_to_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, **extra: Any) -> str:
+                            add_generation_prompt: bool = True, max_tokens: int | None = None, **extra: Any) -> str:
+        """The rendered chat; with `max_tokens`, a rendering too long to be that few tokens is refused."""
         from kiln.chat import ChatTemplateError, render_chat
 
         special = {name: self._tokens[i].decode() if i is not None else "" for name, i in
                    (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
+        max_chars = None if max_tokens is None else self.max_chars(max_tokens)
         try:
-            return render_chat(self.chat_template, messages, tools=tools,
-                               add_generation_prompt=add_generation_prompt, **special, **extra)
+            return render_chat(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               max_chars=max_chars, **special, **extra)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{self.source}: {e}") from None
 
@@ -428,6 +445,10 @@ class ByteTable:
 
     def __len__(self) -> int:
         return len(self._ends)
+
+    def longest(self) -> int:
+        ends = np.frombuffer(self._ends, dtype=np.int64)
+        return int(np.diff(ends, prepend=0).max()) if len(ends) else 0
 
     def __getitem__(self, i: int) -> bytes:
         return self._blob[self._ends[i - 1] if i else 0 : self._ends[i]]

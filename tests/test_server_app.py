@@ -13,7 +13,7 @@ from kiln.store import Store
 @pytest.fixture
 def make_client(tmp_path):
     def make(**options):
-        return TestClient(create_app(Settings(), store=Store(home=tmp_path), **options))
+        return TestClient(create_app(Settings(), store=Store(home=tmp_path), **options), base_url="http://127.0.0.1:11500")
 
     return make
 
@@ -82,3 +82,116 @@ def test_kiln_serve_refuses_bad_options_before_binding(flags, message, capsys):
 
     assert main(["serve", *flags]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_hosts_and_origins_are_allowlists(make_client):
+    with make_client(allowed_hosts=["kiln.lan"], cors=["https://app.example", "http://*.corp.example"]) as client:
+        for host, status in (("kiln.lan:8080", 200), ("KILN.LAN", 200), ("localhost", 200), ("127.0.0.2:1", 200),
+                             ("other.lan", 403), ("0.0.0.0:11500", 403), ("127.0.0.1.evil.example", 403)):
+            r = client.get("/api/tags", headers={"Host": host})
+            assert r.status_code == status, host
+        r = client.get("/v1/models", headers={"Host": "other.lan"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+        copy = {"source": "a", "destination": "b"}
+        for origin in ("https://app.example", "http://x.corp.example", "http://localhost:5173", "http://127.0.0.1"):
+            assert client.post("/api/copy", json=copy, headers={"Origin": origin}).status_code != 403, origin
+        for origin in ("null", "https://app.example.evil", "http://localhost.evil:80", "file://"):
+            r = client.post("/api/copy", json=copy, headers={"Origin": origin})
+            assert r.status_code == 403 and "--cors" in r.json()["error"], origin
+            assert client.delete("/api/delete", headers={"Origin": origin}).status_code == 403
+        # a read is not refused (the browser keeps the page from seeing it: no CORS header)
+        r = client.get("/api/tags", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = client.get("/api/tags", headers={"Origin": "http://localhost:5173"})
+        assert r.headers["access-control-allow-origin"] == "http://localhost:5173"
+    with make_client(allowed_hosts=["*"], cors=["*"]) as client:
+        assert client.get("/api/tags", headers={"Host": "anything.example"}).status_code == 200
+        assert client.post("/api/copy", json={"source": "a", "destination": "b"},
+                           headers={"Origin": "https://anywhere.example"}).status_code != 403
+    with make_client(bind_host="0.0.0.0") as client:  # reachable from the network, still answering only loopback names
+        assert client.get("/api/tags", headers={"Host": "192.168.7.7:11500"}).status_code == 403
+        assert client.get("/api/tags", headers={"Host": "localhost:11500"}).status_code == 200
+    with make_client(bind_host="192.168.7.7") as client:
+        assert client.get("/api/tags", headers={"Host": "192.168.7.7:11500"}).status_code == 200
+        assert client.get("/api/tags", headers={"Host": "192.168.7.8:11500"}).status_code == 403
+
+
+def test_bodies_are_typed_bounded_and_strict(make_client):
+    body = '{"model": "m", "prompt": "x", "think": true}'
+    with make_client(max_body_bytes=1000) as client:
+        r = client.post("/api/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded",
+                                                                 "Origin": "http://localhost:3000"})
+        assert r.status_code == 415  # what `curl -d` sends is fine, but not from a browser
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "multipart/form-data; boundary=x"})
+        assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"]
+        r = client.post("/api/generate", content="x" * 1001, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]
+        r = client.post("/api/chat", content=b'{"model": "m", "messages": [{"role": "user", "content": "\\udc00"}]}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "messages[0].content" in r.json()["error"]
+        r = client.post("/v1/embeddings", content=b'{"model": "m", "input": "x", "dimensions": -Infinity}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+        r = client.post("/api/generate", json={"model": "m" * 300, "prompt": "x"})
+        assert r.status_code == 400 and "too long" in r.json()["error"]
+    with make_client(max_upload_bytes=1000) as client:
+        r = client.post("/api/chat", content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nests too deeply" in r.json()["error"]
+        digest = "sha256:" + "0" * 64
+        r = client.post(f"/api/blobs/{digest}", content=b"x" * 1001)
+        assert r.status_code == 413 and "--max-upload-bytes" in r.json()["error"]
+        r = client.post(f"/api/blobs/{digest}", content=iter([b"x" * 600, b"x" * 600]))  # no length: counted
+        assert r.status_code == 413 and not client.head(f"/api/blobs/{digest}").status_code == 200
+
+
+@pytest.mark.parametrize("flags,message", [(["--max-body-bytes", "0"], "--max-body-bytes must be a positive size"),
+                                           (["--max-upload-bytes", "lots"], "--max-upload-bytes must be a positive size")])
+def test_kiln_serve_refuses_bad_sizes(flags, message, capsys):
+    from kiln.cli import main
+
+    assert main(["serve", *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_sizes_and_listed_settings_parse(monkeypatch):
+    from kiln.cli import build_parser
+    from kiln.commands.serve import parse_size
+
+    assert [parse_size(s, "x") for s in ("1048576", "8M", "8MiB", "2g", "16K")] == [1 << 20, 8 << 20, 8 << 20, 2 << 30, 16 << 10]
+    monkeypatch.setenv("KILN_ALLOWED_HOSTS", "a.lan, b.lan")
+    monkeypatch.setenv("KILN_ORIGINS", "https://app.example")
+    args = build_parser().parse_args(["serve", "--allowed-hosts", "c.lan", "--cors", "https://two.example"])
+    assert args.allowed_hosts == ["a.lan", "b.lan", "c.lan"] and args.cors == ["https://app.example", "https://two.example"]
+
+
+def test_a_full_disk_is_one_line_without_paths(monkeypatch, capsys, tmp_path):
+    import errno
+
+    from kiln.cli import main
+    from kiln.errors import without_paths
+    from kiln.store import Store
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/home/someone/.local/share/kiln/tmp/1-x/model.gguf")
+
+    monkeypatch.setattr(Store, "pull", full)
+    assert main(["pull", "smollm2:135m"]) == 1
+    err = capsys.readouterr().err
+    assert err == "kiln: error: kiln pull: the disk is full (model.gguf); free some space and try again\n"
+    message = f"{tmp_path}/blobs/sha256-ab: bad; upload it (POST /api/blobs/sha256:ab)"
+    assert without_paths(message) == "sha256-ab: bad; upload it (POST /api/blobs/sha256:ab)"
+
+
+def test_a_swap_waits_for_busy_requests_only_so_long(tmp_path, monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from kiln.engine.scheduler import QueueFullError
+    from kiln.server import runtime as rt
+
+    monkeypatch.setattr(rt, "SWAP_WAIT_S", 0.2)
+    runtime = rt.Runtime(Settings(), Store(home=tmp_path))
+    runtime.loaded = rt.Loaded(model=None, scheduler=None, record=SimpleNamespace(tag="busy:latest"), active=1)
+    with pytest.raises(QueueFullError, match=r"busy:latest is still answering 1 request\(s\) after 0.2 s"):
+        asyncio.run(runtime.unload())
+    assert runtime.loaded.active == 1  # nothing was unloaded under its request

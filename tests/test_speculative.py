@@ -447,7 +447,7 @@ def client(smollm2_path):
     from tests.conftest import TEST_HOME
 
     settings = Settings(parallel=2, ctx_len=512, draft_model=str(smollm2_path))  # itself, as the draft model
-    with TestClient(create_app(settings, store=Store(home=TEST_HOME))) as c:
+    with TestClient(create_app(settings, store=Store(home=TEST_HOME)), base_url="http://127.0.0.1") as c:
         yield c
 
 

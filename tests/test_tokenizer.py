@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import gguf
 import pytest
 
 from kiln import tokenizer as kiln_tokenizer
-from kiln.chat import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, PLAIN_TEMPLATE, ChatTemplateError, render_chat
-from kiln.errors import KilnError, ModelFileError, RequestError
+from kiln.chat import (CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, PLAIN_TEMPLATE, RENDER_SECONDS,
+                       ChatTemplateError, render_chat)
+from kiln.errors import ContextLengthError, KilnError, ModelFileError, RequestError
 from kiln.gguf import GGUFFile
 from kiln.tokenizer import Tokenizer
 
@@ -480,6 +482,31 @@ def test_template_failures_are_kiln_errors(template, problem):
     assert isinstance(info.value, KilnError)
 
 
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "within its 2 s budget"),
+        ("{% if true %}" * 5000 + "{% endif %}" * 5000, "nests too deeply"),
+        ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", "recurses too deeply"),
+        ("{{ 'x' * 2000000000 }}", "memory"),
+    ],
+)
+def test_templates_render_under_a_budget(template, problem):
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=problem):
+        render_chat(template, MESSAGES)
+    assert time.monotonic() - t0 < RENDER_SECONDS + 5
+    assert render_chat(PLAIN_TEMPLATE, MESSAGES[1:2]) == "User: Hi!\nAssistant:"  # the next render is unaffected
+
+
+def test_template_output_is_bounded_by_what_the_context_holds():
+    with pytest.raises(ContextLengthError, match="over 1000 characters"):
+        render_chat("{% for i in range(100000) %}xxxxxxxxxx{% endfor %}", MESSAGES, max_chars=1000)
+    assert render_chat(PLAIN_TEMPLATE, MESSAGES[1:2], max_chars=22) == "User: Hi!\nAssistant:"
+    with pytest.raises(ContextLengthError, match="messages are 2000 characters"):  # known before rendering
+        render_chat(PLAIN_TEMPLATE, [{"role": "user", "content": [{"type": "text", "text": "x" * 1992}]}], max_chars=1000)
+
+
 # --- tiny tokenizers written here -----------------------------------------------------------------
 def _write_gguf(path: Path, **fields) -> GGUFFile:
     writer = gguf.GGUFWriter(str(path), arch=fields.pop("arch", "llama"))
@@ -614,3 +641,16 @@ def test_sentencepiece_cache_is_written_once_and_survives_damage(tmp_path, monke
     other = _write_gguf(tmp_path / "other.gguf", model="llama", tokens=tokens[:-1], types=types[:-1],
                         token_scores=scores[:-1])
     assert Tokenizer.from_gguf(other, cache_dir=cache).vocab_size == len(tokens) - 1  # not the cached one
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_encoding(tmp_path):
+    tokens, types, scores = _sentencepiece_vocab()
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", model="llama", tokens=tokens, types=types,
+                                          token_scores=scores))
+    text = "hello world " * 500
+    ids = tok.encode(text)
+    assert len(ids) * tok.max_chars(1) >= len(text)  # the bound holds for text made of the longest pieces
+    assert tok.encode(text, max_tokens=len(ids)) == ids
+    tok._backend = None  # refused on its length alone: encoding it would fail here
+    with pytest.raises(ContextLengthError, match="more than a context of 10 tokens"):
+        tok.encode("hello " * 10_000_000, max_tokens=10)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 from kiln.commands.run import add_draft_args, spec_from_args
 
 DEFAULT_PORT = 11500
+GRACE_S = 2  # seconds running requests get to finish once the server is told to stop
 
 
 def register(sub) -> None:
@@ -22,7 +24,16 @@ def register(sub) -> None:
                    help=f"port (env KILN_PORT; default {DEFAULT_PORT})")
     p.add_argument("--api-key", default=env("KILN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env KILN_API_KEY)")
-    p.add_argument("--cors", action="append", metavar="ORIGIN", help="allow browser requests from ORIGIN (repeatable; * for any)")
+    p.add_argument("--cors", action="append", metavar="ORIGIN", default=_listed(env("KILN_ORIGINS")),
+                   help="allow browser requests from ORIGIN besides loopback ones (repeatable or comma-separated; "
+                        "* matches anything; env KILN_ORIGINS)")
+    p.add_argument("--allowed-hosts", action="append", metavar="HOST", default=_listed(env("KILN_ALLOWED_HOSTS")),
+                   help="answer requests whose Host is HOST besides loopback names and --host (repeatable or "
+                        "comma-separated; * for any; env KILN_ALLOWED_HOSTS)")
+    p.add_argument("--max-body-bytes", default=env("KILN_MAX_BODY_BYTES", "8M"),
+                   help="largest JSON request body, in bytes or with K, M, G (env KILN_MAX_BODY_BYTES; default 8M)")
+    p.add_argument("--max-upload-bytes", default=env("KILN_MAX_UPLOAD_BYTES", "256G"),
+                   help="largest model upload to /api/blobs (env KILN_MAX_UPLOAD_BYTES; default 256G)")
     p.add_argument("--parallel", "-np", type=int, default=4, help="KV slots: requests decoded together (default 4)")
     p.add_argument("--ctx-len", "-c", type=int, help="context length of each slot (default min(model's, 4096))")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503 (default 64)")
@@ -52,6 +63,8 @@ def cmd_serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
+    max_upload = parse_size(args.max_upload_bytes, "--max-upload-bytes")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
                         threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
                         speculative=spec_from_args(args), draft_model=args.draft_model)
@@ -68,8 +81,12 @@ def cmd_serve(args) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(settings, api_key=args.api_key, cors=args.cors, preload=args.model, store=store, on_fatal=fatal)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    app = create_app(settings, api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts,
+                     bind_host=args.host, max_body_bytes=max_body, max_upload_bytes=max_upload, preload=args.model,
+                     store=store, on_fatal=fatal)
+    # On SIGTERM, requests still running after the grace period are cancelled, so the server always stops.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=GRACE_S))
     # The engine thread needs the GIL for a moment between native steps; with the default 5 ms switch
     # interval it can wait that long behind the event loop, a large share of a ~8 ms token.
     sys.setswitchinterval(0.0005)
@@ -78,3 +95,20 @@ def cmd_serve(args) -> int:
     if failures:
         raise KilnError(f"could not load {args.model}: {failures[0]}")
     return 0 if server.started else 1
+
+
+def _listed(value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+_SIZE = re.compile(r"(\d+)\s*([KMG]?)i?B?", re.I)
+
+
+def parse_size(text: str, option: str) -> int:
+    """"8M" → 8 MiB: a byte count, or one with a binary K, M or G."""
+    from kiln.errors import KilnError
+
+    match = _SIZE.fullmatch(str(text).strip())
+    if not match or int(match.group(1)) < 1:
+        raise KilnError(f"{option} must be a positive size such as 8M or 1048576, not {text!r}")
+    return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2).upper()]

@@ -7,7 +7,10 @@ Errors leave in the shape of the caller's API: Ollama's `{"error": message}` und
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import logging
+import math
 import re
 import secrets
 from contextlib import asynccontextmanager
@@ -24,16 +27,22 @@ from starlette.exceptions import HTTPException
 from kiln import __version__
 from kiln.chat import ChatTemplateError
 from kiln.engine.scheduler import QueueFullError, UnloadedError
-from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
+from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError, describe_os_error, without_paths
 from kiln.server import ollama, openai, responses
 from kiln.server.runtime import Runtime, Settings
 
 log = logging.getLogger("kiln.server")
 
+MAX_BODY_BYTES = 8 << 20  # a JSON request: a long context's prompt is well under this, escaped
+MAX_UPLOAD_BYTES = 256 << 30  # a GGUF file sent to POST /api/blobs
+
 
 def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str] | None = None,
+               allowed_hosts: list[str] | None = None, bind_host: str = "127.0.0.1",
+               max_body_bytes: int = MAX_BODY_BYTES, max_upload_bytes: int = MAX_UPLOAD_BYTES,
                preload: str | None = None, store=None, on_fatal: Callable[[Exception], None] | None = None) -> FastAPI:
-    """`preload` is loaded at startup (/health answers 503 meanwhile); if that fails, `on_fatal` is told."""
+    """`preload` is loaded at startup (/health answers 503 meanwhile); if that fails, `on_fatal` is told.
+    `cors` and `allowed_hosts` add to the loopback origins and names always allowed ("*": any)."""
     runtime = Runtime(settings, store)
 
     @asynccontextmanager
@@ -69,11 +78,15 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     async def metrics():
         return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(JSONBodies)
+    # The last added is outermost: a foreign Host or Origin is refused before anything else runs, and
+    # preflight requests (which carry no API key) are answered before the key is checked.
+    app.add_middleware(RequestBodies, max_json=max_body_bytes, max_upload=max_upload_bytes)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
-    if cors:  # added last, so it is outermost: preflight requests carry no API key
-        app.add_middleware(CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"])
+    origins = OriginAllowlist.compile(cors or [])
+    app.add_middleware(CORSMiddleware, allow_origin_regex=origins.pattern, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(OriginAllowlist, allowed=origins)
+    app.add_middleware(HostAllowlist, allowed=HostAllowlist.names(bind_host, allowed_hosts or []))
     return app
 
 
@@ -96,18 +109,209 @@ async def _preload(runtime: Runtime, name: str, on_fatal) -> None:
             on_fatal(e)
 
 
-class JSONBodies:
-    """Every body these APIs take is JSON, whatever the client labels it: `curl -d` sends form encoding, and
-    Ollama's own server reads such requests as JSON, so its users expect that."""
+_LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"  # as Ollama allows by default
+_SAFE_METHODS = ("GET", "HEAD")
 
-    def __init__(self, app):
-        self.app = app
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name, lowercased and without its port: "[::1]:8080" → "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class HostAllowlist:
+    """403 for a Host header that is not a loopback name, the address kiln is bound to, or one the user
+    allowed: a web page that rebinds its own DNS name to 127.0.0.1 still sends its name as the Host
+    (Ollama's answer to CVE-2024-28224). A wildcard bind (0.0.0.0) allows no more names than loopback."""
+
+    def __init__(self, app, allowed: frozenset[str] | None):
+        self.app, self.allowed = app, allowed
+
+    @staticmethod
+    def names(bind_host: str, extra: list[str]) -> frozenset[str] | None:
+        """The allowed host names; None when "*" allows any."""
+        names = {_host_name(n) for entry in extra for n in entry.split(",") if n.strip()}
+        if "*" in names:
+            return None
+        names |= {"localhost", "127.0.0.1", "::1"}
+        if bind_host not in ("", "0.0.0.0", "::", "[::]"):
+            names.add(_host_name(bind_host))
+        return frozenset(names)
+
+    def allows(self, host: str) -> bool:
+        name = _host_name(host)
+        if self.allowed is None or name in self.allowed or name.endswith(".localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] in ("POST", "DELETE"):
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        return await self.app(scope, receive, send)
+        host = _header(scope, b"host") if scope["type"] in ("http", "websocket") else None
+        if host is None or self.allows(host):
+            return await self.app(scope, receive, send)
+        message = (f"Host {host[:100]!r} is not allowed: kiln answers loopback names and the hosts given with "
+                   "--allowed-hosts or KILN_ALLOWED_HOSTS")
+        await error_response(scope["path"], 403, message, code="host_not_allowed")(scope, receive, send)
+
+
+class OriginAllowlist:
+    """403 for a browser request from a foreign Origin that could change state (anything but GET and HEAD)
+    or asks to (a preflight). Loopback origins are allowed, as Ollama allows them, and those the user
+    gave with --cors or KILN_ORIGINS ("*" for any, "*" inside one for any run of characters)."""
+
+    def __init__(self, app, allowed: re.Pattern):
+        self.app, self.allowed = app, allowed
+
+    @staticmethod
+    def compile(origins: list[str]) -> re.Pattern:
+        patterns = [o.strip().rstrip("/") for entry in origins for o in entry.split(",") if o.strip()]
+        if "*" in patterns:
+            return re.compile(".*")
+        return re.compile("|".join([_LOOPBACK_ORIGIN, *(".*".join(map(re.escape, p.split("*"))) for p in patterns)]))
+
+    async def __call__(self, scope, receive, send):
+        origin = _header(scope, b"origin") if scope["type"] == "http" else None
+        if origin is None or scope["method"] in _SAFE_METHODS or self.allowed.fullmatch(origin):
+            return await self.app(scope, receive, send)
+        message = (f"Origin {origin[:100]!r} is not allowed to {scope['method']} here: allow it with --cors or "
+                   "KILN_ORIGINS")
+        await error_response(scope["path"], 403, message, code="origin_not_allowed")(scope, receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int, what: str):
+        super().__init__(413, f"the request body is larger than {limit} bytes, the most kiln takes for {what} "
+                              f"(kiln serve --max-{'upload' if what == 'an upload' else 'body'}-bytes)")
+
+
+class RequestBodies:
+    """Request bodies are JSON, sent as application/json, and bounded in size as they arrive.
+
+    Browsers send text/plain and form bodies cross-site without asking first, so only application/json
+    reads as JSON, except from a client that is not a browser (it sends no Origin): `curl -d`, as Ollama's
+    documentation uses it, sends form encoding, which no browser form can make into JSON. A JSON body must
+    be strict JSON: NaN, Infinity and lone surrogates, which Python's parser takes, are refused naming the
+    field. Uploads to /api/blobs stream through under their own limit."""
+
+    def __init__(self, app, max_json: int, max_upload: int):
+        self.app, self.max_json, self.max_upload = app, max_json, max_upload
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in (*_SAFE_METHODS, "OPTIONS"):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        upload = path.startswith("/api/blobs/")
+        limit, what = (self.max_upload, "an upload") if upload else (self.max_json, "a JSON request")
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await error_response(path, 413, BodyTooLarge(limit, what).detail)(scope, receive, send)
+        if upload:
+            return await self.app(scope, _limited(receive, limit, what), send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                return await error_response(path, 413, BodyTooLarge(limit, what).detail)(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        media = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+        if body and media != "application/json" and (
+                _header(scope, b"origin") is not None or media not in ("", "application/x-www-form-urlencoded")):
+            message = ("the request body must be JSON sent as Content-Type: application/json, "
+                       f"not {media[:100] or 'untyped'}")
+            return await error_response(path, 415, message, param="body")(scope, receive, send)
+        problem = _strict_json_problem(bytes(body))
+        if problem is not None:
+            return await error_response(path, 400, problem[0], param=problem[1])(scope, receive, send)
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        return await self.app(scope, _replay(bytes(body), receive), send)
+
+
+def _limited(receive, limit: int, what: str):
+    """`receive` that fails the request with 413 as soon as the body passes `limit`."""
+    seen = 0
+
+    async def limited():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise BodyTooLarge(limit, what)
+        return message
+
+    return limited
+
+
+def _replay(body: bytes, receive):
+    """`receive` that hands the app the body already read, then the connection's later messages (the
+    disconnect that cancels a generation)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+class _NotFinite:
+    pass
+
+
+def _finite(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _NotFinite()  # 1e999 parses as inf
+
+
+def _strict_json_problem(body: bytes) -> tuple[str, str] | None:
+    """(message, param) for a value strict JSON cannot hold; None when there is none, or when the body is
+    no JSON at all (FastAPI then says where it breaks)."""
+    try:
+        value = json.loads(body, parse_constant=lambda _: _NotFinite(), parse_float=_finite)
+    except ValueError:
+        return None
+    except RecursionError:
+        return "invalid request: the body nests too deeply", "body"
+    stack = [("", value)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _valid_text(key):
+                    return (f"invalid request: a key in {where or 'the body'} is not valid Unicode (a lone surrogate)",
+                            where or "body")
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, _NotFinite):
+            return f"invalid request: {where or 'body'} is NaN or infinite; numbers must be finite", where or "body"
+        elif isinstance(value, str) and not _valid_text(value):
+            return f"invalid request: {where or 'body'} is not valid Unicode (it has a lone surrogate)", where or "body"
+    return None
+
+
+def _valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BearerAuth:
@@ -129,12 +333,14 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "unavailable_error"}
 
 
 def error_response(path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type_: str | None = None, headers: dict | None = None) -> JSONResponse:
+    message = without_paths(message)  # the server's files are no client's business
     if path.startswith("/api/"):
         body: dict = {"error": message}
     else:
@@ -175,6 +381,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             return error_response(path, 503, message, code=code, headers={"Retry-After": "1"})
         log.error("%s %s failed: %s", request.method, path, message)
         return error_response(path, 500, message)
+
+    @app.exception_handler(OSError)
+    async def system_error(request: Request, exc: OSError):  # a full disk during a pull, say
+        message = describe_os_error(exc, f"{request.method} {request.url.path} failed")
+        log.error("%s", message)
+        return error_response(request.url.path, 500, message)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception):

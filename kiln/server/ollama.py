@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
-from kiln.errors import KilnError, ModelFileError, RequestError, StoreError
+from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, describe_os_error, without_paths
 from kiln.server.openai import Tool
 from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
 
@@ -42,11 +42,12 @@ _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
 
 # --- request models --------------------------------------------------------------------------------
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # "NaN" in a string reads as a float too
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="allow")  # Ollama accepts options kiln does not use; they are logged
+    # Ollama accepts options kiln does not use; they are logged
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
@@ -158,7 +159,7 @@ class LegacyEmbeddingsRequest(_Model):
 
 
 class CreateRequest(_Model):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
     model: str | None = Field(None, description="the new model's name")
     name: str | None = Field(None, description="older clients' spelling of `model`")
@@ -235,7 +236,7 @@ async def embed(body: EmbedRequest, request: Request):
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input")
+    result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input", http_request=request)
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -249,7 +250,7 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     if not body.prompt:
         await runtime.preload(body.model, keep_alive)
         return {"embedding": []}
-    result = await runtime.embed("ollama", body.model, [body.prompt], keep_alive, "prompt")
+    result = await runtime.embed("ollama", body.model, [body.prompt], keep_alive, "prompt", http_request=request)
     return {"embedding": result.vectors[0].astype(float).tolist()}
 
 
@@ -281,6 +282,7 @@ async def create(body: CreateRequest, request: Request):
                     raise RequestError("files: give exactly one .gguf file, by the digest it was uploaded under "
                                        "(POST /api/blobs/sha256:...)", "files")
                 base = ggufs[0]
+                await asyncio.to_thread(_check_upload, runtime.store, base)
             if not base:
                 raise RequestError("from is required: the installed model to build on", "from")
             parameters, _ = check_parameters(body.parameters or {}, "parameters")
@@ -304,6 +306,25 @@ async def create(body: CreateRequest, request: Request):
             yield line
 
     return _ndjson(stream())
+
+
+def _check_upload(store, digest: str) -> None:
+    """An uploaded file becomes a model only once it passes the checks every model load makes (the
+    upload itself checked only that it is a GGUF file), so a bad one is refused here, not by a later chat."""
+    from kiln.gguf import GGUFFile
+    from kiln.models import family_for
+
+    path = store.blob_path(digest)
+    if not path.is_file():
+        return  # the store names the missing upload
+    try:
+        gguf = GGUFFile(path)
+        try:
+            family_for(gguf)  # what kiln.engine.model.load checks a file with
+        finally:
+            gguf.close()
+    except ModelFileError as e:
+        raise RequestError(f"files: the uploaded {digest[:19]}... is not a model kiln can load: {e}", "files") from None
 
 
 @router.head("/blobs/{digest}", responses={404: {"description": "No such blob"}}, summary="Whether a blob is stored")
@@ -547,7 +568,7 @@ async def _pull_lines(runtime: Runtime, tag: str):
                     yield {"status": f"pulling {tag}", "completed": completed}
             record = task.result()
     except (KilnError, OSError) as e:
-        yield {"error": str(e) if isinstance(e, KilnError) else f"pull failed: {e}"}
+        yield {"error": without_paths(str(e) if isinstance(e, KilnError) else describe_os_error(e, "pull failed"))}
         return
     yield {"status": f"pulled {record.tag}", "digest": f"sha256:{record.sha256}", "total": record.size,
            "completed": record.size}

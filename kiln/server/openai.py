@@ -37,7 +37,8 @@ _ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `pa
 
 # --- request models --------------------------------------------------------------------------------
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields kiln has no use for (user, metadata, store)
+    # clients send fields kiln has no use for (user, metadata, store); "NaN" in a string reads as a float too
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class ContentPart(_Model):
@@ -240,7 +241,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not inputs:
         raise RequestError("input is empty", "input")
-    result = await _runtime(request).embed("openai", body.model, inputs, param="input")
+    result = await _runtime(request).embed("openai", body.model, inputs, param="input", http_request=request)
     data = []
     for i, v in enumerate(unit_vectors(result.vectors, body.dimensions)):
         vector = base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64" else v.tolist()

@@ -22,7 +22,7 @@ router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class TextPart(_Model):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from functools import partial
 
 import numpy as np
 
-from kiln.engine.scheduler import Embedded, Finished, Request, Scheduler, Token
+from kiln.chat import ChatTemplateError, warm as warm_renderer
+from kiln.engine.scheduler import Embedded, Finished, QueueFullError, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import ModelDrafter, SpecOptions
-from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
+from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError, without_paths
 from kiln.server import tools as toolcalls
 from kiln.server.metrics import Metrics
 from kiln.server.tools import ToolCall, ToolCallParser
@@ -31,6 +33,7 @@ from kiln.server.tools import ToolCall, ToolCallParser
 log = logging.getLogger("kiln.server")
 
 DEFAULT = "default"  # a keep_alive that means the server's --keep-alive
+SWAP_WAIT_S = 300.0  # the longest a request waits for another model's requests to finish
 
 
 @dataclass
@@ -141,8 +144,10 @@ class Runtime:
 
     async def resolve(self, name: str, allow_path: bool = False):
         """The store record `name` means: an installed tag, or the model the server was started with."""
-        from kiln.store import looks_like_path
+        from kiln.store import MAX_TAG_CHARS, looks_like_path
 
+        if len(name) > MAX_TAG_CHARS:
+            raise RequestError(f"model: a name of {len(name)} characters is too long (at most {MAX_TAG_CHARS})", "model")
         if self.loaded is not None and name == self.loaded.tag and not self.loaded.stale:
             return self.loaded.record
         if not name.strip():
@@ -157,8 +162,7 @@ class Runtime:
         async with self._switch:
             if self.loaded is None or self.loaded.tag != record.tag or self.loaded.stale:
                 if self.loaded is not None:
-                    async with self._idle:
-                        await self._idle.wait_for(lambda: self.loaded.active == 0)
+                    await self._until_idle(f"{record.tag} cannot be loaded yet")
                     await self._unload()
                 await self._load(record)
             self.loaded.active += 1
@@ -198,10 +202,19 @@ class Runtime:
         async with self._switch:
             if self.loaded is None or (tag is not None and self.loaded.tag != tag):
                 return False
-            async with self._idle:
-                await self._idle.wait_for(lambda: self.loaded.active == 0)
+            await self._until_idle("it cannot be unloaded yet")
             await self._unload()
             return True
+
+    async def _until_idle(self, consequence: str) -> None:
+        """Wait for the loaded model's requests to finish, but not for ever: a swap holds every other
+        request up, so past SWAP_WAIT_S the one waiting is told to retry (503)."""
+        async with self._idle:
+            try:
+                await asyncio.wait_for(self._idle.wait_for(lambda: self.loaded.active == 0), SWAP_WAIT_S)
+            except asyncio.TimeoutError:
+                raise QueueFullError(f"{self.loaded.tag} is still answering {self.loaded.active} request(s) after "
+                                     f"{SWAP_WAIT_S:g} s, so {consequence}; try again later") from None
 
     async def reap(self) -> None:
         """Unload an idle model whose keep-alive ran out; runs for the app's lifetime."""
@@ -245,6 +258,7 @@ class Runtime:
                     raise
         finally:
             self.loading = None
+        await asyncio.to_thread(warm_renderer)  # the first chat then finds a template worker waiting
         scheduler = Scheduler(model.engine, s.parallel, s.max_queue, s.prefill_chunk)
         scheduler.start()
         self.loaded = Loaded(model, scheduler, record, drafter=drafter)
@@ -276,18 +290,25 @@ class Runtime:
         except BaseException as e:
             self.metrics.rejected.labels(type(e).__name__).inc()
             await self.release(loaded, job.keep_alive)
+            if isinstance(e, ChatTemplateError):  # the file's own name is the blob's; the client knows the tag
+                raise ChatTemplateError(f"{loaded.tag}: {e}") from None
+            if isinstance(e, ContextLengthError) and getattr(e, "param", None) is None:
+                e.param = job.prompt_param
             raise
         return generation
 
-    async def embed(self, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input") -> Embeddings:
+    async def embed(self, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input",
+                    http_request=None) -> Embeddings:
         """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
         the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
-        time as there are KV slots, so a long list never fills the request queue."""
+        time as there are KV slots, so a long list never fills the request queue. When the client of
+        `http_request` disconnects, what is left is cancelled."""
         from kiln.engine.sampler import SamplingParams
 
         t0 = time.perf_counter()
         loaded = await self.acquire(model)
         loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
+        gone = asyncio.ensure_future(until_disconnect(http_request)) if http_request is not None else None
         try:
             load_ms = (time.perf_counter() - t0) * 1e3
             ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param)
@@ -299,11 +320,19 @@ class Runtime:
                     seq = Sequence(tokens, SamplingParams(), loaded.model.tokenizer, 1)
                     requests.append(Request(seq, partial(_embedding_sink, loop, futures[-1]), embed=True))
                     loaded.scheduler.submit(requests[-1])
-                vectors += await asyncio.gather(*futures)
+                batch = asyncio.gather(*futures)
+                if gone is not None:
+                    await asyncio.wait({batch, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if gone.done():
+                        batch.cancel()
+                        raise KilnError("the client disconnected before its embeddings were computed")
+                vectors += await batch
         except BaseException as e:
             self.metrics.rejected.labels(type(e).__name__).inc()
             raise
         finally:
+            if gone is not None:
+                gone.cancel()
             for req, future in zip(requests, futures):  # a client gone, or a sibling input rejected: free their slots
                 future.cancel()
                 loaded.scheduler.cancel(req)
@@ -311,6 +340,13 @@ class Runtime:
         self.metrics.embedding_inputs.labels(api).inc(len(ids))
         self.metrics.prompt_tokens.inc(sum(map(len, ids)))
         return Embeddings(loaded.tag, vectors, sum(map(len, ids)), load_ms, (time.perf_counter() - t0) * 1e3)
+
+
+async def until_disconnect(http_request) -> None:
+    """Returns when the client disconnects. The body is read by now, so the next ASGI message that
+    arrives is the disconnect (or the one sent once the response is complete)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _embedding_sink(loop, future, event) -> None:  # on the engine thread
@@ -356,7 +392,12 @@ def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
     out = []
     for i, item in enumerate(inputs):
         where = f"{param}[{i}]" if len(inputs) > 1 else param
-        ids = _token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item)
+        try:
+            ids = (_token_ids(item, tok.vocab_size, where) if isinstance(item, list)
+                   else tok.encode(item, max_tokens=n_ctx))
+        except ContextLengthError as e:
+            e.param = where
+            raise
         if not ids:
             raise RequestError(f"{where} is empty", where)
         if len(ids) > n_ctx:
@@ -398,15 +439,17 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
             chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
         messages, template_tools = toolcalls.render_messages(chat, job.tools if use_tools else None,
                                                              tok.chat_template, job.tool_choice)
-        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools))
+        n = model.n_ctx  # a prompt longer than the context is refused before its tokens are counted out
+        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools, max_tokens=n), max_tokens=n)
     elif isinstance(job.prompt, list):
         ids = _token_ids(job.prompt, tok.vocab_size, job.prompt_param)
     elif job.raw:
-        ids = tok.encode(job.prompt, add_bos=None if not job.context else False)
+        ids = tok.encode(job.prompt, add_bos=None if not job.context else False, max_tokens=model.n_ctx)
     else:
         system = job.system or model.system
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": job.prompt}]
-        ids = tok.encode(tok.apply_chat_template(messages), add_bos=None if not job.context else False)
+        ids = tok.encode(tok.apply_chat_template(messages, max_tokens=model.n_ctx),
+                         add_bos=None if not job.context else False, max_tokens=model.n_ctx)
     if job.context:
         ids = _token_ids(job.context, tok.vocab_size, "context") + ids
     if not ids:
@@ -472,10 +515,8 @@ class Generation:
             self.loaded.scheduler.cancel(self.request)
 
     async def watch(self, http_request) -> None:
-        """Cancel when the client disconnects. The body is read by now, so the next ASGI message that
-        arrives is the disconnect (or the one sent once the response is complete)."""
-        while (await http_request.receive())["type"] != "http.disconnect":
-            pass
+        """Cancel when the client disconnects."""
+        await until_disconnect(http_request)
         self.cancel()
 
     async def events(self, http_request=None):
@@ -533,7 +574,7 @@ class Generation:
         elif reason == "stop" and errors:
             reason = "invalid_tool_call"
         return Final(self.loaded.tag, self.seq, reason, "".join(self._text), self._calls,
-                     "; ".join(errors) or None, event.error)
+                     "; ".join(errors) or None, event.error and without_paths(event.error))  # it goes to the client
 
     async def _account(self) -> None:
         t = self.seq.timings
@@ -565,4 +606,6 @@ def parse_keep_alive(value, param: str = "keep_alive") -> float | None:
                 raise RequestError(f"{param} {value!r} is not a duration such as \"5m\", \"1h30m\" or \"-1\"",
                                    param) from None
             seconds = sum(float(n) * _UNITS[u] for n, u in parts) * (-1 if text.startswith("-") else 1)
+    if not math.isfinite(seconds):
+        raise RequestError(f"{param} {value!r} is not a finite duration; a negative one keeps the model loaded", param)
     return None if seconds < 0 else seconds
