@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -148,6 +149,8 @@ def test_a_full_disk_leaves_no_partial_file(models, tmp_path, caplog, monkeypatc
 
     monkeypatch.setattr(repack_cache, "write_file", fills_the_disk)
     fresh = logits(models[0])[0]
+    (tmp_path / "packed.json").write_text(json.dumps({"key": {"version": "5/0.1.0"}}))  # an older kiln's cache,
+    (tmp_path / "packed.bin").write_bytes(bytes(4096))  # whose space the new one's write frees first
     for load_number in (1, 2):  # no load leaves a file, so none adds one
         answer, from_cache = logits(models[0], tmp_path)
         assert not from_cache and np.array_equal(answer, fresh)

@@ -81,11 +81,12 @@ class RepackCache:
         temps = []
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            # what is there is being replaced: its space is freed first, and a load that comes between
+            # the two renames below finds no cache rather than an index of another arena
+            remove(self.dir)
             temps = [self._temp(ARENA), self._temp(INDEX)]
             write_file(temps[0], memoryview(arena))
             write_file(temps[1], json.dumps({**body, "digest": _digest(body)}).encode())
-            # the old index goes first: a load between the two renames finds no cache, not a mismatched one
-            (self.dir / INDEX).unlink(missing_ok=True)
             os.replace(temps[0], self.dir / ARENA)
             os.replace(temps[1], self.dir / INDEX)
         except OSError as e:
