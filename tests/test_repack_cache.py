@@ -12,6 +12,7 @@ import subprocess
 import sys
 import zlib
 
+import httpx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -25,6 +26,7 @@ from kiln.models import family_for
 from kiln.native import kernels
 from kiln.store import Store
 from kiln.synth import write_random_gguf
+from tests.serving import kiln_server
 
 PROMPT = [5, 17, 99, 3, 250, 41]
 
@@ -244,3 +246,26 @@ def test_smollm2_answers_as_itself_after_a_thousand_flipped_bytes(smollm2_path, 
     data.tofile(arena)
     answer, from_cache = logits(smollm2_path, tmp_path, sha)
     assert not from_cache and np.array_equal(answer, expected) and len(warnings_of(caplog)) == 1
+
+
+def test_kiln_serve_cleans_a_killed_repack_and_repacks_a_damaged_cache(store, tmp_path):
+    cache = store.cache_dir(store.resolve("m"))
+    assert subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING], env=os.environ).returncode == -9
+    assert len(temps(cache)) == 1
+    request = {"model": "m", "prompt": "hello", "raw": True, "stream": False,
+               "options": {"temperature": 0, "num_predict": 8}}
+    answers = []
+    for start in ("after a killed repack", "with a damaged cache"):
+        with kiln_server(store.home, "m") as server:
+            assert temps(cache) == [], start
+            answers.append(httpx.post(f"{server.url}/api/generate", json=request, timeout=60).json()["response"])
+            log = server.log.read_text()
+        if start == "after a killed repack":
+            assert "repack cache" not in log
+            arena = cache / "packed.bin"
+            data = bytearray(arena.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            arena.write_bytes(bytes(data))
+        else:
+            assert f"repack cache {cache / 'packed.bin'} fails its checksum; repacking" in log
+    assert answers[0] and answers[1] == answers[0]
