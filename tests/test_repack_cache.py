@@ -52,6 +52,7 @@ def logits(path, cache_dir=None, sha256=None) -> tuple[np.ndarray, bool]:
         return e.forward(PROMPT), e.weights.from_cache
     finally:
         e.close()
+        e.weights.gguf.close()
 
 
 def warnings_of(caplog) -> list[str]:
