@@ -4,12 +4,15 @@
  * so the struct is defined once, here in C. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "attn.h"
 #include "bindings.h"
+#include "checksum.h"
 #include "dequant.h"
 #include "plan.h"
 #include "pool.h"
@@ -69,17 +72,33 @@ static PyGetSetDef arena_getset[] = {
     {"nbytes", (getter)arena_size, NULL, "size in bytes", NULL},
     {NULL}};
 
-/* Fill the arena from a file in one read (the repack cache), without holding the GIL. */
+/* What a summed read (checksum.h) returns to Python: the checksum in hex, or the OSError that stopped it. */
+static PyObject *summed(int rc, const kiln_sum *sum, const char *path, size_t nbytes) {
+    if (rc > 0) {
+        errno = rc;
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+    }
+    if (rc < 0) return PyErr_Format(PyExc_OSError, "%s: shorter than %zu bytes", path, nbytes);
+    char hex[33];
+    kiln_sum_hex(sum, hex);
+    return PyUnicode_FromString(hex);
+}
+
+/* Fill the arena from a file (the repack cache) without holding the GIL, summing each chunk while it is
+   still in cache; returns the checksum. */
 static PyObject *arena_read_file(Arena *a, PyObject *args) {
     const char *path;
     if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
-    size_t got;
-    Py_BEGIN_ALLOW_THREADS got = fread(a->data, 1, a->nbytes, f);
-    Py_END_ALLOW_THREADS fclose(f);
-    if (got != a->nbytes) return PyErr_Format(PyExc_OSError, "%s: read %zu of %zu bytes", path, got, a->nbytes);
-    Py_RETURN_NONE;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+    kiln_sum sum;
+    kiln_sum_init(&sum);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kiln_read_summed(fd, a->data, a->nbytes, 1, &sum);
+    close(fd);
+    Py_END_ALLOW_THREADS
+    return summed(rc, &sum, path, a->nbytes);
 }
 
 static PyMethodDef arena_methods[] = {{"read_file", (PyCFunction)arena_read_file, METH_VARARGS, NULL}, {NULL}};
@@ -510,6 +529,48 @@ static PyObject *py_qkv_chunks(PyObject *self, PyObject *args) {
     return PyLong_FromLong(kiln_qkv_chunks(heads, per));
 }
 
+/* checksum(buffer) -> the repack cache's checksum of its bytes (checksum.h) */
+static PyObject *py_checksum(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    kiln_sum sum;
+    kiln_sum_init(&sum);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t at = 0; at < (size_t)b.len; at += KILN_SUM_CHUNK) {
+        size_t left = (size_t)b.len - at;
+        kiln_sum_chunk(&sum, (const uint8_t *)b.buf + at, left < KILN_SUM_CHUNK ? left : KILN_SUM_CHUNK);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return summed(0, &sum, NULL, 0);
+}
+
+/* file_checksum(path, nbytes) -> the checksum of a file's first nbytes, read through one chunk of memory */
+static PyObject *py_file_checksum(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *path;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "sn", &path, &nbytes)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes %zd is negative", nbytes);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, path);
+    uint8_t *scratch = PyMem_RawMalloc(KILN_SUM_CHUNK);
+    if (!scratch) {
+        close(fd);
+        return PyErr_NoMemory();
+    }
+    kiln_sum sum;
+    kiln_sum_init(&sum);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kiln_read_summed(fd, scratch, (size_t)nbytes, 0, &sum);
+    close(fd);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
+    return summed(rc, &sum, path, (size_t)nbytes);
+}
+
 PyMethodDef plan_module_methods[] = {
     {"qkv_chunks", py_qkv_chunks, METH_VARARGS, "qkv_chunks(heads, per) -> chunks a QKV op runs in"},
     {"attend_scratch", py_attend_scratch, METH_VARARGS, "attend_scratch(n_queries, head_dim) -> floats"},
@@ -518,6 +579,8 @@ PyMethodDef plan_module_methods[] = {
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml_type, src, n) -> float32 bytes"},
     {"store_half", py_store_half, METH_VARARGS, "store_half(float32 bytes) -> fp16 bytes (KV cache rounding)"},
     {"op_layout", py_op_layout, METH_NOARGS, "op_layout() -> ({field: (offset, type)}, sizeof(kiln_op))"},
+    {"checksum", py_checksum, METH_VARARGS, "checksum(buffer) -> the repack cache's checksum (hex)"},
+    {"file_checksum", py_file_checksum, METH_VARARGS, "file_checksum(path, nbytes) -> checksum of its first nbytes"},
     {NULL}};
 
 int kiln_plan_add_types(PyObject *module) {

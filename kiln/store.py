@@ -528,7 +528,12 @@ class Store:
             shutil.rmtree(path, ignore_errors=True)
 
     def _clean_stale(self) -> None:
-        """Remove what killed pulls left in tmp/; directories of pulls still running (live pid) stay."""
+        """Remove what killed pulls left in tmp/, and killed repacks in cache/; what processes still running
+        (live pid) are writing stays."""
+        from kiln.engine.repack_cache import clean_temps
+
+        for cache in (self.home / "cache").glob("*/"):
+            clean_temps(cache)
         root = self.home / "tmp"
         if not root.is_dir():
             return

@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("destination", metavar="DESTINATION")
     p.set_defaults(func=cmd_cp)
 
-    p = subparsers.add_parser("check", help="re-verify the sha256 of installed models")
+    p = subparsers.add_parser("check", help="re-verify the sha256 of installed models and their repack caches")
     p.add_argument("model", metavar="TAG", nargs="?", help="one model (default: all installed)")
     p.set_defaults(func=cmd_check)
 
@@ -318,14 +318,27 @@ def cmd_show(args) -> int:
 
 
 def cmd_check(args) -> int:
+    from kiln.engine import native, repack_cache
     from kiln.store import Store
 
-    results = Store().verify(args.model, progress=True)
+    store = Store()
+    results = store.verify(args.model, progress=True)
     if not results:
         print("no models installed")
+    caches: dict[str, tuple[bool, str]] = {}  # by blob: the tags of one file share its repack cache
+    all_ok = True
     for tag, ok, message in results:
-        if ok:
-            print(f"{tag}: {message}")
-        else:
-            print(f"kiln: error: {tag}: {message}", file=sys.stderr)
-    return 0 if all(ok for _, ok, _ in results) else 1
+        found = [(ok, message)]
+        if ok and native.available():
+            record = store.resolve(tag)
+            if record.sha256 not in caches:
+                caches[record.sha256] = repack_cache.verify(store.cache_dir(record), record.sha256,
+                                                            native.cache_version())
+            found.append(caches[record.sha256])
+        for ok, message in found:
+            all_ok &= ok
+            if ok:
+                print(f"{tag}: {message}")
+            else:
+                print(f"kiln: error: {tag}: {message}", file=sys.stderr)
+    return 0 if all_ok else 1

@@ -8,7 +8,6 @@ step runs at a time.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -24,6 +23,7 @@ from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.kv import check_span
 from kiln.engine.oracle import rope_angles
+from kiln.engine.repack_cache import RepackCache
 from kiln.errors import KilnError, RequestError
 from kiln.gguf import EXACT_REWRITES, KERNEL_TYPES, GGUFFile, rewrite_exactly
 from kiln.models import Family
@@ -34,7 +34,12 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
-CACHE_VERSION = 5  # bumped whenever a packed layout (or the cache's index) changes
+CACHE_VERSION = 6  # bumped whenever a packed layout (or the cache's index) changes
+
+
+def cache_version() -> str:
+    """What a repack cache's packed layouts must have been written by."""
+    return f"{CACHE_VERSION}/{__version__}"
 
 
 def available() -> bool:
@@ -90,21 +95,25 @@ def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
 
 class PackedWeights:
     """Every matrix the graph multiplies by, repacked into kernel layouts in one huge-page arena.
-    The arena is written to `cache_dir` once, so later loads are one sequential read."""
+    The arena is written to `cache_dir` once (kiln/engine/repack_cache.py), so later loads are one
+    sequential read; `gguf_sha256` is the file's when the store knows it."""
 
-    def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None, split: set[str] = frozenset()):
+    def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None, split: set[str] = frozenset(),
+                 gguf_sha256: str | None = None):
         """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/plan.c)."""
         self.gguf = gguf
         self.vectors: dict[str, np.ndarray] = {}
         self.tables: dict[str, Table] = {}
-        self.from_cache = False
-        self.split = sorted(split)
-        layouts = self._load(names, cache_dir) if cache_dir else None
-        if layouts is None:
+        cache = RepackCache(cache_dir, gguf, cache_version(), sorted(split), gguf_sha256) if cache_dir else None
+        loaded = cache.load(names) if cache else None
+        self.from_cache = loaded is not None
+        if loaded:
+            self.arena, layouts = loaded
+        else:
             layouts = self._pack(names, split)
             gguf.release_pages()
-            if cache_dir:
-                self._save(cache_dir, layouts)
+            if cache:
+                cache.save(self.arena, layouts)
         self.layouts = layouts
         self.mats = {name: self._wmat(lay) for name, lay in layouts.items()}
         # a split head's low bits (its high bits are the matrix above)
@@ -113,27 +122,6 @@ class PackedWeights:
     def _wmat(self, lay: dict):
         return _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"], lay["rows_padded"],
                             lay["tile_bytes"])
-
-    def _cache_key(self) -> dict:
-        st = self.gguf.path.stat()
-        return {"version": CACHE_VERSION, "kiln": __version__, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                "split": self.split}
-
-    def _load(self, names, cache_dir: Path):
-        index, blob = cache_dir / "packed.json", cache_dir / "packed.bin"
-        try:
-            meta = json.loads(index.read_text())
-        except (OSError, ValueError):
-            return None
-        if meta.get("key") != self._cache_key() or not set(names) <= set(meta["matrices"]):
-            return None
-        try:
-            self.arena = _native.Arena(meta["nbytes"])
-            self.arena.read_file(str(blob))
-        except OSError:
-            return None
-        self.from_cache = True
-        return {n: meta["matrices"][n] for n in names}
 
     def _source(self, name: str, ggml: int, rows: int, cols: int) -> np.ndarray:
         """GGUF bytes of a matrix as packed: its own, its blocks rewritten exactly, or the gguf package's
@@ -176,23 +164,6 @@ class PackedWeights:
             if len(packed) == 2:
                 layouts[name]["remainder"] = packed[1]
         return layouts
-
-    def _save(self, cache_dir: Path, layouts) -> None:
-        """Atomically: a killed load leaves either the old cache or none, never half of one."""
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = cache_dir / f".packed.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(memoryview(self.arena))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, cache_dir / "packed.bin")
-            meta = {"key": self._cache_key(), "nbytes": self.arena.nbytes, "matrices": layouts}
-            tmp = cache_dir / f".packed.{os.getpid()}.json.tmp"
-            tmp.write_text(json.dumps(meta))
-            os.replace(tmp, cache_dir / "packed.json")
-        except OSError:
-            pass  # a read-only store only costs the next load a repack
 
     def matrix(self, name: str):
         return self.mats[name]
@@ -347,7 +318,8 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
-                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16):
+                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
+                 gguf_sha256: str | None = None):
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
@@ -358,7 +330,8 @@ class NativeEngine:
 
         self.processor = f"CPU ({active_isa()}, {self.threads} thread{'s' if self.threads != 1 else ''})"
         root = family.forward(Recorder(), self.config)
-        self.weights = PackedWeights(gguf, packed_names(gguf, root), cache_dir, split=heads_of(root))
+        self.weights = PackedWeights(gguf, packed_names(gguf, root), cache_dir, split=heads_of(root),
+                                     gguf_sha256=gguf_sha256)
         cfg = self.config
         # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
         self.kv_ctx = -(-n_ctx // 8) * 8
