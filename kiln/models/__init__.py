@@ -31,11 +31,11 @@ def family_for(gguf: GGUFFile) -> Family:
         raise UnsupportedModelError(
             f"{gguf.path}: architecture {arch!r} is not supported; kiln runs {', '.join(sorted(FAMILIES))}"
         )
+    check_tokenizer_metadata(gguf)
     meta = Meta(gguf)
     config = module.config_from_gguf(meta)
     meta.refuse_unread()
     check_tensors(gguf, config, module.forward)
-    check_tokenizer_metadata(gguf)
     return Family(config, module.forward)
 
 

@@ -61,6 +61,13 @@ class ShapeCheck:
             raise self._wrong(name, shape, got)
         return got is not None
 
+    def _vector(self, name: str, n: int | None) -> None:
+        """A vector as long as its input is wide (when that is known: else only noted as read)."""
+        if n is None:
+            self._shape(name)
+        else:
+            self._expect(name, n)
+
     def _matrix(self, name: str, cols: int | None, rows: int | None = None) -> Width:
         """A matrix read by a value of width `cols`; `rows` when the config fixes them."""
         got = self._shape(name)
@@ -86,7 +93,7 @@ class ShapeCheck:
 
     def rmsnorm(self, x, weight, eps, heads=1):
         if heads == 1:
-            self._expect(weight, x.n) if x.n is not None else self._shape(weight)
+            self._vector(weight, x.n)
         else:  # per head: a head is head_dim wide
             self._need(x, heads * self.cfg.head_dim, f"the input of {weight}")
             self._expect(weight, self.cfg.head_dim)
@@ -95,7 +102,7 @@ class ShapeCheck:
     def linear(self, x, weight, bias=None):
         out = self._matrix(weight, x.n)
         if bias is not None:
-            self._expect(bias, out.n) if out.n is not None else self._shape(bias)
+            self._vector(bias, out.n)
         return out
 
     def rope(self, x, rope: Rope, heads):
