@@ -8,6 +8,7 @@ the `gguf` package, which stays the oracle for tensor contents.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -75,12 +76,12 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     block, size = GGML_QUANT_SIZES[ggml_type]
-    return int(np.prod(shape)) // block * size
+    return math.prod(shape) // block * size  # Python ints: a crafted shape cannot wrap around to a small size
 
 
 def _typed(data: np.ndarray, t: TensorInfo) -> np.ndarray:
@@ -140,15 +141,20 @@ class _Cursor:
             return self.scalar(vtype, f"value of {key!r}")
         item_type = self.u32(f"array type of {key!r}")
         count = self.u64(f"array length of {key!r}")
-        if count > len(self.buf) - self.pos:
-            raise self.fail(f"metadata key {key!r} claims {count} array items, more than the file holds")
-        if item_type in _NUMPY_DTYPES:
-            dtype = np.dtype(_NUMPY_DTYPES[GGUFValueType(item_type)])
-            raw = self.take(count * dtype.itemsize, f"array {key!r}")
-            return np.frombuffer(raw, dtype=dtype).copy()
+        if item_type == GGUFValueType.STRING:
+            item_size = 8  # a string is at least its length field
+        elif item_type in _NUMPY_DTYPES:
+            item_size = np.dtype(_NUMPY_DTYPES[GGUFValueType(item_type)]).itemsize
+        else:  # ggml reads no arrays of arrays either
+            raise self.fail(f"metadata key {key!r} is an array of value type {item_type}; "
+                            "arrays hold numbers, booleans or strings", self.pos - 12)
+        if count > (len(self.buf) - self.pos) // item_size:
+            raise self.fail(f"truncated or corrupt: metadata key {key!r} claims {count} array items, more than "
+                            f"the {len(self.buf) - self.pos} bytes left can hold")
         if item_type == GGUFValueType.STRING:
             return self._string_array(count, key)
-        return [self.value(item_type, key) for _ in range(count)]
+        raw = self.take(count * item_size, f"array {key!r}")
+        return np.frombuffer(raw, dtype=_NUMPY_DTYPES[GGUFValueType(item_type)]).copy()
 
     def _string_array(self, count: int, key: str) -> "StringArray":
         """Find the strings' extents now (a bad length is reported at load), decode them on first use:
@@ -168,6 +174,24 @@ class _Cursor:
         starts[count] = pos + 8  # so string i always ends at starts[i + 1] - 8
         self.pos = pos
         return StringArray(buf, starts)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(value, default: int = 0) -> int:
+    """A metadata value as an integer where it is one, else `default`: for what is only shown."""
+    return int(value) if is_int(value) else default
+
+
+def describe(value) -> str:
+    """A metadata value as an error message shows it: small ones as they are, large ones by kind."""
+    if isinstance(value, (np.ndarray, StringArray, list)):
+        return f"an array of {len(value)}"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    return repr(value)
 
 
 class StringArray(Sequence):
@@ -224,7 +248,10 @@ class GGUFFile:
 
         self.metadata: dict[str, Any] = {}
         for i in range(n_kv):
+            start = cur.pos
             key = cur.string(f"name of metadata key {i}")
+            if key in self.metadata:
+                raise cur.fail(f"metadata key {key!r} appears twice", start)
             self.metadata[key] = cur.value(cur.u32(f"value type of {key!r}"), key)
 
         infos = []
@@ -239,14 +266,26 @@ class GGUFFile:
             rel_offset = cur.u64(f"data offset of tensor {name!r}")
             infos.append((name, dims, type_id, rel_offset, start))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ModelFileError(f"{self.path}: general.alignment is {alignment}, not a power of two")
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not is_int(alignment) or alignment <= 0 or alignment & (alignment - 1):
+            raise ModelFileError(f"{self.path}: general.alignment is {describe(alignment)}, "
+                                 "expected a power of two")
         data_start = -(-cur.pos // alignment) * alignment
         self.data_offset = data_start
         self.tensors: dict[str, TensorInfo] = {}
+        # As ggml lays the data section out (and checks it): each tensor starts where the one before it in
+        # the header ends, padded to the alignment, so no two overlap and none starts unaligned.
+        expected = 0
         for name, dims, type_id, rel_offset, header_at in infos:
-            self.tensors[name] = self._tensor_info(name, dims, type_id, data_start + rel_offset, header_at, size)
+            if name in self.tensors:
+                raise cur.fail(f"tensor {name!r} appears twice in the header", header_at)
+            info = self._tensor_info(name, dims, type_id, data_start + rel_offset, header_at, size)
+            if rel_offset != expected:
+                raise ModelFileError(
+                    f"{self.path}: tensor {name!r} has data offset {rel_offset}, expected {expected} (tensors are "
+                    f"stored in header order, each padded to general.alignment = {alignment})")
+            expected += -(-info.nbytes // alignment) * alignment
+            self.tensors[name] = info
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def _tensor_info(self, name, dims, type_id, offset, header_at, size) -> TensorInfo:
@@ -269,6 +308,9 @@ class GGUFFile:
             )
         shape = tuple(int(d) for d in reversed(dims))
         nbytes = tensor_nbytes(ggml_type, shape)
+        if nbytes > size:
+            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {dims}: {nbytes} bytes of "
+                                 f"{ggml_type.name}, more than the whole file ({size} bytes)")
         if offset + nbytes > size:
             raise ModelFileError(
                 f"{self.path}: tensor {name!r} needs bytes {offset}..{offset + nbytes} but the file ends at "

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from kiln.errors import KilnError, ModelNotFoundError, StoreError
-from kiln.gguf import GGUFFile
+from kiln.gguf import GGUFFile, as_int
 
 DEFAULT_MODEL = "smollm2:135m"
 CATALOG_PATH = Path(__file__).with_name("catalog.json")
@@ -156,15 +156,15 @@ def gguf_details(gguf: GGUFFile) -> dict:
     arch = gguf.architecture
     n_params = sum(t.n_elements for t in gguf.tensors.values())
     return {"family": arch, "parameters": human_count(n_params), "quantization": quantization_name(gguf),
-            "context_length": int(gguf.get(f"{arch}.context_length", 0)),
-            "labels": ["chat"] if gguf.get("tokenizer.chat_template") else ["base"]}
+            "context_length": as_int(gguf.get(f"{arch}.context_length")),
+            "labels": ["chat"] if isinstance(gguf.get("tokenizer.chat_template"), str) else ["base"]}
 
 
 def quantization_name(gguf: GGUFFile) -> str:
     from gguf import LlamaFileType
 
     try:
-        return LlamaFileType(int(gguf.get("general.file_type"))).name.removeprefix("MOSTLY_")
+        return LlamaFileType(as_int(gguf.get("general.file_type"), -1)).name.removeprefix("MOSTLY_")
     except (TypeError, ValueError):  # no or unknown file type: name the type holding most weights
         by_type: dict[str, int] = {}
         for t in gguf.tensors.values():

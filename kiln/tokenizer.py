@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import string
 import threading
 from array import array
 from functools import cached_property
@@ -409,7 +410,8 @@ def _sentencepiece_table(tokens: list[str], types: np.ndarray) -> list[bytes]:
     table = [t.replace("▁", " ").encode() for t in tokens]
     for i in np.flatnonzero(types != NORMAL).tolist():
         token = tokens[i]
-        is_byte = types[i] == BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+        is_byte = (types[i] == BYTE and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+                   and all(c in string.hexdigits for c in token[3:5]))
         table[i] = bytes([int(token[3:5], 16)]) if is_byte else token.encode()
     return table
 

@@ -1,4 +1,5 @@
-"""Model families, found by the GGUF's `general.architecture`."""
+"""Model families, found by the GGUF's `general.architecture`. `family_for` is the one way a file becomes
+a model, so every load (CLI, server, bench, eval) is checked the same way before native code sees it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Callable
 from kiln.errors import UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import gemma3, llama, qwen
-from kiln.models.base import ModelConfig
+from kiln.models.base import Meta, ModelConfig
+from kiln.models.check import check_tensors, check_tokenizer_metadata
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3}
 
@@ -21,10 +23,26 @@ class Family:
 
 
 def family_for(gguf: GGUFFile) -> Family:
+    """The file's family and config, once its metadata and every tensor are checked against each other;
+    anything else is a one-line ModelFileError naming the key or tensor."""
     arch = gguf.architecture
     module = FAMILIES.get(arch)
     if module is None:
         raise UnsupportedModelError(
             f"{gguf.path}: architecture {arch!r} is not supported; kiln runs {', '.join(sorted(FAMILIES))}"
         )
-    return Family(module.config_from_gguf(gguf), module.forward)
+    check_tokenizer_metadata(gguf)
+    meta = Meta(gguf)
+    config = module.config_from_gguf(meta)
+    meta.refuse_unread()
+    check_tensors(gguf, config, module.forward)
+    return Family(config, module.forward)
+
+
+def check_model_file(path) -> None:
+    """Raise the error loading `path` would raise about the file itself (an upload, say), or return."""
+    gguf = GGUFFile(path)
+    try:
+        family_for(gguf)
+    finally:
+        gguf.close()

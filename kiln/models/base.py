@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln.errors import ModelFileError
-from kiln.gguf import GGUFFile
+from kiln.errors import ModelFileError, UnsupportedModelError
+from kiln.gguf import GGUFFile, describe, is_int
 
 
 @dataclass(frozen=True)
@@ -83,44 +83,126 @@ class Ops(Protocol):
     def logits(self, x: Any, weight: str) -> Any: ...
 
 
-def meta(gguf: GGUFFile, key: str, default: Any = ModelFileError) -> Any:
-    """Metadata value `<architecture>.<key>`; missing required keys name the file and the key."""
-    full = f"{gguf.architecture}.{key}"
-    if full in gguf.metadata:
-        return gguf.metadata[full]
-    if default is ModelFileError:
-        raise ModelFileError(f"{gguf.path}: required metadata key {full!r} is missing")
-    return default
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+MAX_CONTEXT = 1 << 24  # positions are int32 in the plans; no model trains on more than 16M
+_REQUIRED = object()
 
 
-def base_config(gguf: GGUFFile, **overrides) -> dict:
-    """The fields every family reads the same way from llama.cpp's metadata keys."""
-    n_heads = int(meta(gguf, "attention.head_count"))
-    dim = int(meta(gguf, "embedding_length"))
-    n_kv = meta(gguf, "attention.head_count_kv", n_heads)
-    if isinstance(n_kv, np.ndarray):
-        raise ModelFileError(f"{gguf.path}: per-layer attention.head_count_kv is not supported")
-    head_dim = int(meta(gguf, "attention.key_length", dim // n_heads))
-    tokens = gguf.get("tokenizer.ggml.tokens")
+class Meta:
+    """Typed, range-checked reads of a file's `<architecture>.*` metadata. Every key read is noted, so a
+    family can refuse the switches it never reads instead of silently computing another model."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf, self.arch, self.read = gguf, gguf.architecture, set()
+
+    def fail(self, key: str, value, expected: str) -> ModelFileError:
+        return ModelFileError(f"{self.gguf.path}: metadata key {self.arch + '.' + key!r} is {describe(value)}, "
+                              f"expected {expected}")
+
+    def raw(self, key: str, default=_REQUIRED):
+        full = f"{self.arch}.{key}"
+        self.read.add(full)
+        if full in self.gguf.metadata:
+            return self.gguf.metadata[full]
+        if default is _REQUIRED:
+            raise ModelFileError(f"{self.gguf.path}: required metadata key {full!r} is missing")
+        return default
+
+    def integer(self, key: str, default=_REQUIRED, lo: int = 1, hi: int = 1 << 31) -> int:
+        value = self.raw(key, default)
+        if isinstance(value, np.ndarray) and value.ndim == 1 and key.startswith("attention.head_count"):
+            raise self.fail(key, value, "one count for every layer (per-layer counts are not supported)")
+        if not is_int(value) or not lo <= value <= hi:
+            raise self.fail(key, value, f"an integer in {lo}..{hi}")
+        return int(value)
+
+    def number(self, key: str, default=_REQUIRED, lo: float = 0.0, hi: float = 1e30) -> float:
+        value = self.raw(key, default)
+        if not (is_int(value) or isinstance(value, (float, np.floating))) or not lo <= value <= hi:
+            raise self.fail(key, value, f"a number in {lo:g}..{hi:g}")
+        return float(value)
+
+    def string(self, key: str, default=_REQUIRED, choices: tuple[str, ...] = ()) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str) or (choices and value not in choices):
+            raise self.fail(key, value, "one of " + ", ".join(map(repr, choices)) if choices else "a string")
+        return value
+
+    def absent(self, key: str, why: str) -> None:
+        """Refuse a switch this family does not implement."""
+        full = f"{self.arch}.{key}"
+        self.read.add(full)
+        if full in self.gguf.metadata:
+            raise UnsupportedModelError(f"{self.gguf.path}: metadata key {full!r} is set "
+                                        f"({describe(self.gguf.metadata[full])}): {why}")
+
+    def refuse_unread(self) -> None:
+        """Every `<architecture>.*` key the family did not read is a switch it does not know."""
+        unread = sorted(k for k in self.gguf.metadata if k.startswith(self.arch + ".") and k not in self.read)
+        if unread:
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise UnsupportedModelError(f"{self.gguf.path}: metadata key {unread[0]!r}{more} is not one kiln's "
+                                        f"{self.arch} family reads; refusing the file rather than ignoring it")
+
+
+def rope_scale(m: Meta) -> float:
+    """The position scale of RoPE scaling as llama.cpp reads it: linear unless the file says otherwise, by
+    `rope.scaling.factor` (or the older `rope.scale_linear`); 0 means unscaled."""
+    kind = m.string("rope.scaling.type", "linear", choices=("none", "linear", "yarn", "longrope"))
+    if kind in ("yarn", "longrope"):
+        raise UnsupportedModelError(f"{m.gguf.path}: metadata key {m.arch + '.rope.scaling.type'!r} is {kind!r}: "
+                                    "kiln runs unscaled or linearly scaled RoPE only")
+    for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
+                "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
+        m.absent(key, "kiln implements no YaRN scaling")
+    # only llama.cpp's bookkeeping: linear scaling uses neither
+    m.integer("rope.scaling.original_context_length", 0, lo=0)
+    m.raw("rope.scaling.finetuned", False)
+    factor = m.number("rope.scaling.factor", 0.0, hi=1e6)
+    if factor == 0.0:
+        factor = m.number("rope.scale_linear", 0.0, hi=1e6)
+    return 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
+
+
+def base_config(m: Meta, **overrides) -> dict:
+    """The fields every family reads the same way from llama.cpp's metadata keys (and its defaults)."""
+    gguf = m.gguf
+    n_layers = m.integer("block_count", hi=MAX_LAYERS)
+    dim = m.integer("embedding_length")
+    n_heads = m.integer("attention.head_count", hi=dim)
+    n_kv = m.integer("attention.head_count_kv", n_heads, hi=n_heads)
+    if n_heads % n_kv:
+        raise m.fail("attention.head_count_kv", n_kv, f"a divisor of attention.head_count ({n_heads})")
+    head_dim = m.integer("attention.key_length", max(dim // n_heads, 1), hi=1 << 16)
+    m.integer("attention.value_length", head_dim, lo=head_dim, hi=head_dim)  # kiln's attention: keys and values alike
     vocab = gguf.info("token_embd.weight").shape[0]
+    m.integer("vocab_size", vocab, lo=vocab, hi=vocab)
+    tokens = gguf.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != vocab:
         raise ModelFileError(f"{gguf.path}: vocabulary has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
+    for key in ("expert_count", "expert_used_count"):
+        m.integer(key, 0, lo=0, hi=0)  # mixture-of-experts files say 0 when they are dense
     cfg = dict(
-        architecture=gguf.architecture,
-        n_layers=int(meta(gguf, "block_count")),
+        architecture=m.arch,
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
-        n_kv_heads=int(n_kv),
+        n_kv_heads=n_kv,
         head_dim=head_dim,
-        ffn_dim=int(meta(gguf, "feed_forward_length")),
+        ffn_dim=m.integer("feed_forward_length"),
         vocab_size=vocab,
-        context_length=int(meta(gguf, "context_length")),
-        norm_eps=float(meta(gguf, "attention.layer_norm_rms_epsilon")),
+        context_length=m.integer("context_length", hi=MAX_CONTEXT),
+        norm_eps=m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         tied_embeddings="output.weight" not in gguf.tensors,
         name=str(gguf.get("general.name", gguf.path.stem)),
     )
     cfg.update(overrides)
     return cfg
+
+
+def check_rope(m: Meta, rope: Rope, head_dim: int) -> None:
+    if rope.dim % 2 or not 0 < rope.dim <= head_dim:
+        raise m.fail("rope.dimension_count", rope.dim, f"an even number in 2..{head_dim} (the head size)")
 
 
 def output_weight(cfg: ModelConfig) -> str:

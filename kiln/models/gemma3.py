@@ -17,10 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.gguf import GGUFFile
-from kiln.models.base import Attention, ModelConfig, Ops, Rope, base_config, meta, output_weight
+import numpy as np
 
-GLOBAL_EVERY = 6  # every sixth layer attends over the whole context
+from kiln.gguf import is_int
+from kiln.models.base import (MAX_CONTEXT, Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope,
+                              output_weight, rope_scale)
+
+# llama.cpp's defaults where the file does not say: every sixth layer attends over the whole context, and
+# the local layers' RoPE base
+GLOBAL_EVERY = 6
 LOCAL_ROPE_THETA = 10000.0
 
 
@@ -29,20 +34,34 @@ class Gemma3Config(ModelConfig):
     sliding_window: int = 0
 
 
-def config_from_gguf(gguf: GGUFFile) -> Gemma3Config:
-    cfg = Gemma3Config(**base_config(gguf), sliding_window=int(meta(gguf, "attention.sliding_window")))
-    factor = float(meta(gguf, "rope.scaling.factor", 1.0))
+def config_from_gguf(m: Meta) -> Gemma3Config:
+    cfg = Gemma3Config(**base_config(m), sliding_window=m.integer("attention.sliding_window", hi=MAX_CONTEXT))
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        m.absent(key, "kiln's gemma3 family does not soft-cap")
     # Queries are scaled by 1/sqrt(query_pre_attn_scalar), which GGUF does not store; it equals the head
     # size for every Gemma 3 except the 62-layer 27B, where it is dim / heads (llama.cpp does the same).
     scale = 1.0 / math.sqrt(cfg.dim / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim)
-    local = Rope(LOCAL_ROPE_THETA, cfg.head_dim, neox=True)
-    global_ = Rope(float(meta(gguf, "rope.freq_base", 1e6)), cfg.head_dim, neox=True, position_scale=1.0 / factor)
-    for i in range(cfg.n_layers):
-        if (i + 1) % GLOBAL_EVERY == 0:
-            cfg.layers.append(Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale, global_))
-        else:
-            cfg.layers.append(Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale, local, cfg.sliding_window))
+    rope_dim = m.integer("rope.dimension_count", cfg.head_dim)
+    # RoPE scaling stretches the global layers' positions only, as in llama.cpp and transformers
+    local = Rope(m.number("rope.freq_base_swa", LOCAL_ROPE_THETA, lo=1.0), rope_dim, neox=True)
+    global_ = Rope(m.number("rope.freq_base", 10000.0, lo=1.0), rope_dim, neox=True, position_scale=rope_scale(m))
+    check_rope(m, global_, cfg.head_dim)
+    for sliding in sliding_layers(m, cfg.n_layers):
+        rope, window = (local, cfg.sliding_window) if sliding else (global_, None)
+        cfg.layers.append(Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale, rope, window))
     return cfg
+
+
+def sliding_layers(m: Meta, n_layers: int) -> list[bool]:
+    """Which layers attend through the sliding window: `attention.sliding_window_pattern` is a period p
+    (layer i is local unless i % p == p - 1; 0 makes every layer local) or one flag per layer."""
+    pattern = m.raw("attention.sliding_window_pattern", GLOBAL_EVERY)
+    if is_int(pattern) and pattern >= 0:
+        return [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+    if isinstance(pattern, np.ndarray) and pattern.shape == (n_layers,) and pattern.dtype.kind in "biu":
+        return [bool(v) for v in pattern]
+    raise m.fail("attention.sliding_window_pattern", pattern,
+                 f"a period (an integer from 0) or {n_layers} per-layer flags")
 
 
 def block(op: Ops, cfg: Gemma3Config, i: int, x):

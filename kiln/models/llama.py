@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.gguf import GGUFFile
-from kiln.models.base import Attention, ModelConfig, Ops, Rope, base_config, meta, output_weight
+from kiln.models.base import Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope, output_weight, rope_scale
 
 
 @dataclass
@@ -26,17 +25,17 @@ class LlamaConfig(ModelConfig):
     qk_norm: bool = False
 
 
-def config_from_gguf(gguf: GGUFFile, neox: bool = False, **switches) -> LlamaConfig:
-    cfg = LlamaConfig(**base_config(gguf), **switches)
-    scaling = meta(gguf, "rope.scaling.type", "none")
-    factor = float(meta(gguf, "rope.scaling.factor", 1.0))
+def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
+    cfg = LlamaConfig(**base_config(m), **switches)
+    m.absent("attention.sliding_window", f"kiln's {m.arch} family attends over the whole context")
     rope = Rope(
-        theta=float(meta(gguf, "rope.freq_base", 10000.0)),
-        dim=int(meta(gguf, "rope.dimension_count", cfg.head_dim)),
+        theta=m.number("rope.freq_base", 10000.0, lo=1.0),
+        dim=m.integer("rope.dimension_count", cfg.head_dim),
         neox=neox,
-        freq_factors="rope_freqs.weight" if "rope_freqs.weight" in gguf.tensors else None,
-        position_scale=1.0 / factor if scaling == "linear" else 1.0,
+        freq_factors="rope_freqs.weight" if "rope_freqs.weight" in m.gguf.tensors else None,
+        position_scale=rope_scale(m),
     )
+    check_rope(m, rope, cfg.head_dim)
     attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim), rope)
     cfg.layers = [attn] * cfg.n_layers
     return cfg

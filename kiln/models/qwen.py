@@ -6,12 +6,12 @@ query and key head before the rotation.
 
 from __future__ import annotations
 
-from kiln.gguf import GGUFFile
 from kiln.models import llama
+from kiln.models.base import Meta
 from kiln.models.llama import LlamaConfig, forward  # noqa: F401  (the family's forward pass)
 
 
-def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
-    if gguf.architecture == "qwen3":
-        return llama.config_from_gguf(gguf, neox=True, qk_norm=True)
-    return llama.config_from_gguf(gguf, neox=True, qkv_bias=True)
+def config_from_gguf(m: Meta) -> LlamaConfig:
+    if m.arch == "qwen3":
+        return llama.config_from_gguf(m, neox=True, qk_norm=True)
+    return llama.config_from_gguf(m, neox=True, qkv_bias=True)
