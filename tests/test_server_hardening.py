@@ -8,6 +8,7 @@ import hashlib
 import json
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -114,6 +115,18 @@ def test_an_upload_kiln_cannot_load_is_refused_at_create(server, synth):
     assert "/" not in message.split("(POST")[0]  # no server path
     assert generate(server.url).status_code == 200  # still answering
     assert "hostile:latest" not in {m["name"] for m in httpx.get(f"{server.url}/api/tags").json()["models"]}
+
+
+def test_an_upload_whose_metadata_disagrees_with_its_tensors_is_refused_at_create(server, synth):
+    # the width the kernels would size their buffers by, against tensors of the real width
+    key = b"llama.embedding_length"
+    at = synth.index(key) + len(key)
+    assert struct.unpack_from("<I", synth, at)[0] == 4  # GGUF's UINT32
+    hostile = synth[:at + 4] + struct.pack("<I", 4096) + synth[at + 8:]
+    r = create(server.url, "wide", upload(server.url, hostile))
+    assert r.status_code == 400
+    assert "wrong shape" in r.json()["error"]
+    assert generate(server.url).status_code == 200  # still answering
 
 
 def test_a_template_bomb_is_a_400_in_its_budget_while_another_model_answers(server):

@@ -311,18 +311,13 @@ async def create(body: CreateRequest, request: Request):
 def _check_upload(store, digest: str) -> None:
     """An uploaded file becomes a model only once it passes the checks every model load makes (the
     upload itself checked only that it is a GGUF file), so a bad one is refused here, not by a later chat."""
-    from kiln.gguf import GGUFFile
-    from kiln.models import family_for
+    from kiln.models import check_model_file
 
     path = store.blob_path(digest)
     if not path.is_file():
         return  # the store names the missing upload
     try:
-        gguf = GGUFFile(path)
-        try:
-            family_for(gguf)  # what kiln.engine.model.load checks a file with
-        finally:
-            gguf.close()
+        check_model_file(path)
     except ModelFileError as e:
         raise RequestError(f"files: the uploaded {digest[:19]}... is not a model kiln can load: {e}", "files") from None
 
