@@ -561,7 +561,7 @@ def run(ref: str, prompt: str = DEFAULT_PROMPT, n_decode: int = 64, reps: int = 
     from dataclasses import asdict
 
     from kiln.engine import native
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.machine import facts
     from kiln.store import Store
     from kiln.validate import ReadLoop

@@ -524,7 +524,7 @@ def test_kiln_run_speculates_with_the_same_answer(smollm2_path, capsys):
 def test_bench_spec_measures_both_interleaved_and_records_the_table(smollm2_path, tmp_path, monkeypatch):
     import json
 
-    from kiln.bench import history
+    from kiln import history
     from kiln.cli import main
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))

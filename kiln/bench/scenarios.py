@@ -365,8 +365,9 @@ class InProcess:
         return None
 
     def run(self, messages: list[dict], max_tokens: int, ignore_eos: bool) -> Run:
-        from kiln.engine.generate import common_prefix, generate
-        from kiln.engine.sampler import SamplingParams
+        from kiln.engine.generate import generate
+        from kiln.engine.kv import common_prefix
+        from kiln.sampling import SamplingParams
         from kiln.engine.sequence import Sequence, plan_budget
 
         m, tok = self.model, self.model.tokenizer
@@ -699,7 +700,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     extra = load_scenario_file(args.scenario_file) if args.scenario_file else []
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()] if args.scenarios else None

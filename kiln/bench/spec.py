@@ -163,7 +163,7 @@ def prompts(model, dataset: str, count: int) -> list[dict]:
 
 def run_once(model, prompt: dict, max_tokens: int, speculation) -> dict:
     from kiln.engine.generate import generate
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.engine.sequence import Sequence
 
     tok = model.tokenizer
@@ -275,7 +275,7 @@ def to_markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     command = command_line("kiln bench spec", args, positional=("model",))
     report = run(args, command, progress=lambda msg: print(f"kiln bench spec: {msg}", file=sys.stderr))

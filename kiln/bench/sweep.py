@@ -97,7 +97,7 @@ def story_prompt(tokenizer, n_tokens: int) -> list[int]:
 
 def run_once(model, prompt: list[int], gen: int) -> dict:
     from kiln.engine.generate import generate
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.engine.sequence import Sequence
 
     # Greedy, no stop tokens: every run generates exactly `gen` tokens, as flm's fixed 32.
@@ -204,7 +204,7 @@ def to_markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     stages = [parse_size(s) for s in args.stages.split(",") if s.strip()]
     command = command_line("kiln bench sweep", args, positional=("model",))

@@ -74,7 +74,7 @@ def spec_from_args(args):
 
 def sampling_from_args(args, defaults: dict):
     """Ollama's defaults, then the model's own (from the catalog), then the command line."""
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
 
     return SamplingParams().replace(**defaults).replace(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -134,7 +134,8 @@ class Chat:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}]))
 
     def ask(self, text: str, out=None) -> None:
-        from kiln.engine.generate import common_prefix, generate
+        from kiln.engine.generate import generate
+        from kiln.engine.kv import common_prefix
         from kiln.engine.grammar import Constraint, json_grammar
         from kiln.engine.sequence import Sequence, plan_budget
         from kiln.engine.speculative import speculation
@@ -251,7 +252,7 @@ def save_model(chat: Chat, name: str) -> None:
     the defaults (what `kiln create` makes from a Modelfile)."""
     from dataclasses import asdict
 
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.modelfile import Recipe
     from kiln.store import Store
 
@@ -267,7 +268,7 @@ def save_model(chat: Chat, name: str) -> None:
 def load_model(chat: Chat, name: str) -> None:
     """/load: another model continues the conversation, with its own defaults and system message."""
     from kiln.engine.model import load
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
 
     if chat.drafter is not None:
         raise KilnError("/load cannot swap the model a --draft-model drafts for; start kiln run again")

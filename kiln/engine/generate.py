@@ -8,15 +8,6 @@ from typing import Iterator
 from kiln.engine.sequence import Sequence
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def generate(engine, seq: Sequence, cached: int = 0) -> Iterator[str]:
     """Yield text as it is released. `cached` prompt tokens already sit in the slot's KV cache; at least
     the last prompt token is always recomputed, since its logits are needed. A speculating sequence feeds

@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.engine.generate import common_prefix
+from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import sample_rows
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import Draft, draft_limit, propose, verify

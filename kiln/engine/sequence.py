@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiln.engine.sampler import Sampler, SamplingParams, log_softmax
+from kiln.engine.sampler import Sampler, log_softmax
+from kiln.sampling import SamplingParams
 from kiln.errors import ContextLengthError, RequestError
 
 

@@ -39,7 +39,7 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from kiln.engine.generate import common_prefix
+from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import apply_penalties, candidates, filtered_probs
 from kiln.errors import KilnError, RequestError
 

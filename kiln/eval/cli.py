@@ -135,7 +135,7 @@ def _command(args) -> str:
 
 
 def _finish(args, kind: str, payload: dict, text: str, model_sha256: str) -> None:
-    from kiln.bench import history
+    from kiln import history
 
     history.record(kind, payload, model_sha256=model_sha256, command=_command(args))
     sys.stdout.write(json.dumps(payload, indent=1) + "\n" if args.json else text)

@@ -342,7 +342,7 @@ async def copy(body: CopyRequest, request: Request):
 
 @router.post("/show", responses=_ERRORS, summary="A model's details, template, parameters and metadata")
 async def show(body: ModelRequest, request: Request):
-    from kiln.commands.models import describe, modelfile_of
+    from kiln.modelinfo import describe, modelfile_of
     from kiln.modelfile import parameter_items
 
     record = await _runtime(request).resolve(body.tag())

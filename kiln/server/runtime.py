@@ -24,9 +24,9 @@ from kiln.engine.scheduler import Embedded, Finished, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import ModelDrafter, SpecOptions
 from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
-from kiln.server import tools as toolcalls
+from kiln import tools as toolcalls
 from kiln.server.metrics import Metrics
-from kiln.server.tools import ToolCall, ToolCallParser
+from kiln.tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("kiln.server")
 
@@ -283,7 +283,7 @@ class Runtime:
         """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
         the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
         time as there are KV slots, so a long list never fills the request queue."""
-        from kiln.engine.sampler import SamplingParams
+        from kiln.sampling import SamplingParams
 
         t0 = time.perf_counter()
         loaded = await self.acquire(model)
@@ -386,7 +386,7 @@ def prepare(model, job: Job, drafter: ModelDrafter | None = None,
     """Prompt token ids, sampling, budget, constraints and speculation for `job`: everything checked
     before it queues. `speculative` is the server's default, which the job's options override."""
     from kiln.engine.grammar import Constraint, json_grammar
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.engine.speculative import speculation
 
     tok = model.tokenizer
