@@ -32,7 +32,7 @@ def test_a_bad_format_is_an_error_naming_the_flag(value, message):
 
 
 def test_set_format_in_a_chat(capsys):
-    chat = Chat(model=None, params=None, num_predict=None, system=None, raw=False)
+    chat = Chat(model=None, sampling=None, num_predict=None, system=None, raw=False)
     slash_command(chat, "/set format json")
     assert chat.format == ANY_JSON
     slash_command(chat, f"/set format {json.dumps(PERSON)}")

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from kiln.engine.interface import Limits
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.scheduler import Finished, QueueFullError, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence
@@ -21,6 +22,7 @@ class ScriptedEngine:
         self.n_slots, self.n_ctx, self.max_batch, self.prefill_rows = n_slots, n_ctx, max_batch, prefill_rows
         if max_out is not None:
             self.max_out = max_out
+        self.limits = Limits(rows=prefill_rows, batch=max_batch, out_rows=prefill_rows if max_out is None else max_out)
         self.steps: list[dict] = []
         self.copies: list[tuple[int, int, int]] = []
         self.kv: list[list[int]] = [[] for _ in range(n_slots)]  # the token each position of a slot was fed

@@ -96,13 +96,18 @@ def story_prompt(tokenizer, n_tokens: int) -> list[int]:
 
 
 def run_once(model, prompt: list[int], gen: int) -> dict:
-    from kiln.engine.generate import generate
-    from kiln.sampling import SamplingParams
-    from kiln.engine.sequence import Sequence
+    from dataclasses import asdict
 
-    # Greedy, no stop tokens: every run generates exactly `gen` tokens, as flm's fixed 32.
-    seq = Sequence(prompt, SamplingParams.greedy(), model.tokenizer, gen, stop_ids=frozenset())
-    for _ in generate(model.engine, seq):
+    from kiln.engine.generate import generate
+    from kiln.engine.request import GenerationRequest, prepare
+    from kiln.engine.scheduler import Scheduler
+    from kiln.sampling import SamplingParams
+
+    # Greedy, no stops: every run generates exactly `gen` tokens, as flm's fixed 32. A scheduler of its
+    # own, whose empty prompt cache makes every run prefill the whole prompt.
+    seq, _ = prepare(model, GenerationRequest(prompt=prompt, sampling=asdict(SamplingParams.greedy()), max_tokens=gen,
+                                              ignore_eos=True))
+    for _ in generate(Scheduler(model.engine, n_slots=1, max_queue=0), seq):
         pass
     t = seq.timings
     if t.completion_tokens != gen:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.engine.interface import Engine
 from kiln.errors import KilnError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
@@ -25,7 +26,7 @@ class Model:
     gguf: GGUFFile
     config: ModelConfig
     tokenizer: Tokenizer
-    engine: object
+    engine: Engine
     n_ctx: int
     load_ms: float
     cache_dir: Path | None = None
@@ -72,7 +73,7 @@ def release_free_heap() -> None:
         pass
 
 
-def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir):
+def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir) -> Engine:
     """The native core when it is built (or asked for), else the numpy oracle."""
     from kiln.engine import native
     from kiln.engine.oracle import OracleEngine

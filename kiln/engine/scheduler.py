@@ -34,6 +34,7 @@ from typing import Callable
 
 import numpy as np
 
+from kiln.engine.interface import Engine
 from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import sample_rows
 from kiln.engine.sequence import Sequence
@@ -115,12 +116,10 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
+    def __init__(self, engine: Engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
         self.engine = engine
-        # The native engine's plan limits; the oracle has none, so it gets the same shape of batches.
-        self.max_rows = getattr(engine, "prefill_rows", 128)
-        self.max_decode = getattr(engine, "max_batch", 16)
-        self.max_out = getattr(engine, "max_out", self.max_rows)
+        limits = engine.limits
+        self.max_rows, self.max_decode, self.max_out = limits.rows, limits.batch, limits.out_rows
         self.chunk = min(prefill_chunk or self.max_rows, self.max_rows)
         self.n_slots, self.n_ctx, self.max_queue = n_slots, engine.n_ctx, max_queue
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -168,6 +167,16 @@ class Scheduler:
                 req.seq.finish("cancelled")
                 req.sink(Finished("the model was unloaded"))
 
+    def abandon(self, req: Request) -> None:
+        """Drop `req` at once, from the thread that steps the scheduler (kiln.engine.generate), whatever
+        the step it was part of had done: its slot's contents are forgotten."""
+        with self._cv:
+            if req in self.running:
+                self._retire(req, "cancelled", "abandoned")
+            elif req in self.waiting:
+                self.waiting.remove(req)
+                req.seq.finish("cancelled")
+
     def stats(self) -> dict:
         with self._cv:
             return {"running": len(self.running), "waiting": len(self.waiting),
@@ -176,9 +185,16 @@ class Scheduler:
 
     # --- the engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while (batch := self.schedule()) is not None:
-            if batch.tokens and (logits := self.run(batch)) is not None:
-                self.postprocess(batch, logits)
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """schedule → run → postprocess, once; False when the scheduler is stopping."""
+        if (batch := self.schedule()) is None:
+            return False
+        if batch.tokens and (logits := self.run(batch)) is not None:
+            self.postprocess(batch, logits)
+        return True
 
     def schedule(self) -> Batch | None:
         with self._cv:

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
-from kiln.errors import KilnError, ModelFileError, RequestError, StoreError
+from kiln.engine.request import ANY_JSON, GenerationRequest
+from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, fields_named
 from kiln.server.openai import Tool
 from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
 
@@ -38,6 +39,9 @@ _ERRORS = {400: {"description": "Invalid request: {\"error\": message}"}, 401: {
 _HARDWARE_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "use_mmap",
                      "use_mlock", "num_keep", "f16_kv", "vocab_only", "logits_all", "embedding_only"}
 _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
+# kiln's request fields, as Ollama names them
+FIELDS = {"max_tokens": "options.num_predict", "speculative.mode": "options.draft",
+          "speculative.max": "options.draft_max", "speculative.ngram": "options.draft_ngram"}
 
 
 # --- request models --------------------------------------------------------------------------------
@@ -94,7 +98,8 @@ class _Generation(_Model):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def job_fields(self) -> dict:
+    def request_fields(self) -> dict:
+        """The kiln request fields both generating endpoints share."""
         if self.think:
             raise RequestError("think: kiln's models do not think (no reasoning models yet)", "think")
         o = self.options or Options()
@@ -104,16 +109,13 @@ class _Generation(_Model):
         sampling = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                "repeat_last_n", "presence_penalty", "frequency_penalty")}
         sampling["seed"] = o.seed if o.seed is not None and o.seed >= 0 else None
-        return {"api": "ollama", "model": self.model, "sampling": sampling,
+        return {"sampling": sampling,
                 "max_tokens": o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
-                "max_tokens_param": "options.num_predict",
                 "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
-                "keep_alive": _keep_alive(self.keep_alive),
-                "json": bool(self.format), "schema": self.format if isinstance(self.format, dict) else None,
-                "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "format": (self.format if isinstance(self.format, dict) else ANY_JSON) if self.format else None,
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
                 "speculative": {k: v for k, v in (("mode", o.draft), ("max", o.draft_max), ("ngram", o.draft_ngram))
-                                if v is not None},
-                "speculative_params": ("options.draft", "options.draft_max", "options.draft_ngram")}
+                                if v is not None}}
 
 
 class ChatRequest(_Generation):
@@ -189,13 +191,15 @@ class PullRequest(ModelRequest):
 # --- endpoints -----------------------------------------------------------------------------------------
 @router.post("/chat", responses=_ERRORS, summary="Chat (NDJSON stream unless stream is false)")
 async def chat(body: ChatRequest, request: Request):
-    fields = body.job_fields()
+    fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.messages:
-        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"],
+        return await _load_or_unload(_runtime(request), body.model, keep_alive,
                                      {"message": {"role": "assistant", "content": ""}})
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
-    job = Job(**fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None)
-    generation = await _runtime(request).start(job)
+    job = Job("ollama", body.model, GenerationRequest(
+        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive)
+    with fields_named(FIELDS):
+        generation = await _runtime(request).start(job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_chat_lines(generation.events(request), tag))
@@ -213,11 +217,13 @@ async def generate(body: GenerateRequest, request: Request):
     for name in ("images", "template", "suffix"):
         if getattr(body, name):
             raise RequestError(f"{name} is not supported by kiln's /api/generate", name)
-    fields = body.job_fields()
+    fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.prompt and not body.context:
-        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"], {"response": ""})
-    job = Job(**fields, prompt=body.prompt, system=body.system, raw=body.raw, context=body.context, prompt_param="prompt")
-    generation = await _runtime(request).start(job)
+        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""})
+    job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
+                                                      context=body.context), keep_alive)
+    with fields_named(FIELDS):
+        generation = await _runtime(request).start(job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_generate_lines(generation.events(request), tag))

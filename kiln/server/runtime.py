@@ -17,16 +17,21 @@ import re
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln.engine.scheduler import Embedded, Finished, Request, Scheduler, Token
-from kiln.engine.sequence import Sequence, plan_budget
+from kiln.engine.request import GenerationRequest, prepare, token_ids
+from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import ModelDrafter, SpecOptions
 from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
-from kiln import tools as toolcalls
 from kiln.server.metrics import Metrics
 from kiln.tools import ToolCall, ToolCallParser
+
+if TYPE_CHECKING:
+    from kiln.engine.model import Model
+    from kiln.store import ModelRecord
 
 log = logging.getLogger("kiln.server")
 
@@ -48,31 +53,13 @@ class Settings:
 
 @dataclass
 class Job:
-    """A generation request in kiln's terms; openai.py and ollama.py translate into this."""
+    """A generation request on the server: what to generate (in kiln's terms), with which model, and for
+    whom; openai.py, responses.py and ollama.py translate into this."""
 
     api: str  # "openai" or "ollama", for metrics
     model: str
-    messages: list[dict] | None = None  # a chat; otherwise `prompt`
-    prompt: str | list[int] | None = None
-    system: str | None = None  # Ollama's generate: rendered with the chat template around `prompt`
-    raw: bool = True  # send `prompt` as is, without the chat template
-    context: list[int] | None = None  # Ollama's generate: token ids of an earlier exchange to continue
-    tools: list[dict] | None = None
-    tool_choice: str | dict = "auto"
-    sampling: dict = field(default_factory=dict)  # SamplingParams overrides
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
-    schema: dict | None = None  # with `json`: the JSON schema the output must match (None: any object)
-    json: bool = False
+    request: GenerationRequest
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever
-    speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
-    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
-    # which request fields these are, for error messages
-    prompt_param: str = "messages"
-    max_tokens_param: str = "max_tokens"
-    format_param: str = "response_format"
-    speculative_params: tuple[str, str, str] = ("speculative.mode", "speculative.max", "speculative.ngram")
 
 
 @dataclass
@@ -99,9 +86,9 @@ class Final:
 
 @dataclass(eq=False)
 class Loaded:
-    model: object  # kiln.engine.model.Model
+    model: Model
     scheduler: Scheduler
-    record: object  # kiln.store.ModelRecord
+    record: ModelRecord
     expires_at: float | None = None  # wall clock; None while busy or when kept forever
     active: int = 0
     drafter: ModelDrafter | None = None  # the server's --draft-model, loaded for this model
@@ -268,7 +255,7 @@ class Runtime:
         loaded = await self.acquire(job.model)
         try:
             load_ms = (time.perf_counter() - t0) * 1e3
-            seq, parser = await asyncio.to_thread(prepare, loaded.model, job, loaded.drafter,
+            seq, parser = await asyncio.to_thread(prepare, loaded.model, job.request, loaded.drafter,
                                                   self.settings.speculative)
             seq.timings.load_ms = load_ms
             generation = Generation(self, loaded, job, seq, parser)
@@ -283,8 +270,6 @@ class Runtime:
         """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
         the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
         time as there are KV slots, so a long list never fills the request queue."""
-        from kiln.sampling import SamplingParams
-
         t0 = time.perf_counter()
         loaded = await self.acquire(model)
         loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
@@ -296,7 +281,7 @@ class Runtime:
                 requests, futures = [], []
                 for tokens in ids[first : first + window]:
                     futures.append(loop.create_future())
-                    seq = Sequence(tokens, SamplingParams(), loaded.model.tokenizer, 1)
+                    seq, _ = prepare(loaded.model, GenerationRequest(prompt=tokens, embed=True))
                     requests.append(Request(seq, partial(_embedding_sink, loop, futures[-1]), embed=True))
                     loaded.scheduler.submit(requests[-1])
                 vectors += await asyncio.gather(*futures)
@@ -356,14 +341,12 @@ def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
     out = []
     for i, item in enumerate(inputs):
         where = f"{param}[{i}]" if len(inputs) > 1 else param
-        ids = _token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item)
+        ids = token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item)
         if not ids:
             raise RequestError(f"{where} is empty", where)
         if len(ids) > n_ctx:
-            error = ContextLengthError(f"{where} is {len(ids)} tokens but the context holds {n_ctx}; "
-                                       "kiln does not truncate inputs")
-            error.param = where
-            raise error
+            raise ContextLengthError(f"{where} is {len(ids)} tokens but the context holds {n_ctx}; "
+                                     "kiln does not truncate inputs", where)
         out.append(ids)
     return out
 
@@ -379,67 +362,6 @@ def load_drafter(ref: str, target, settings: Settings, store) -> ModelDrafter:
     except BaseException:
         draft.close()
         raise
-
-
-def prepare(model, job: Job, drafter: ModelDrafter | None = None,
-            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, ToolCallParser | None]:
-    """Prompt token ids, sampling, budget, constraints and speculation for `job`: everything checked
-    before it queues. `speculative` is the server's default, which the job's options override."""
-    from kiln.engine.grammar import Constraint, json_grammar
-    from kiln.sampling import SamplingParams
-    from kiln.engine.speculative import speculation
-
-    tok = model.tokenizer
-    use_tools = bool(job.tools) and job.tool_choice != "none"
-    toolcalls.check_tool_choice(job.tools, job.tool_choice)
-    if job.messages is not None:
-        chat = job.messages
-        if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
-            chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
-        messages, template_tools = toolcalls.render_messages(chat, job.tools if use_tools else None,
-                                                             tok.chat_template, job.tool_choice)
-        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools))
-    elif isinstance(job.prompt, list):
-        ids = _token_ids(job.prompt, tok.vocab_size, job.prompt_param)
-    elif job.raw:
-        ids = tok.encode(job.prompt, add_bos=None if not job.context else False)
-    else:
-        system = job.system or model.system
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": job.prompt}]
-        ids = tok.encode(tok.apply_chat_template(messages), add_bos=None if not job.context else False)
-    if job.context:
-        ids = _token_ids(job.context, tok.vocab_size, "context") + ids
-    if not ids:
-        raise RequestError(f"{job.prompt_param} is empty", job.prompt_param)
-    try:
-        budget = plan_budget(len(ids), job.max_tokens, model.n_ctx)
-    except ContextLengthError as e:
-        error = ContextLengthError(f"{job.prompt_param}: {e}".replace("max_tokens", job.max_tokens_param))
-        error.param = job.max_tokens_param if len(ids) < model.n_ctx else job.prompt_param
-        raise error from None
-    params = SamplingParams().replace(**model.defaults).replace(**job.sampling)
-    constraint = None
-    if use_tools and job.tool_choice != "auto":
-        constraint = Constraint(tok, toolcalls.forced_call_grammar(job.tools, job.tool_choice), "tool_choice")
-    elif job.json:
-        constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
-    options = speculative.replace(job.speculative_params, **job.speculative)
-    stop = [s for s in job.stop if s] or list(model.stop)
-    bad = next((t for t in job.logit_bias or {} if not 0 <= t < tok.vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary (0..{tok.vocab_size - 1})",
-                           "logit_bias")
-    seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=tok.stop_ids,
-                   logprobs=job.logprobs, constraint=constraint, logit_bias=job.logit_bias,
-                   speculation=speculation(options, drafter, job.speculative_params[0]))
-    return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
-
-
-def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"{param} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})", param)
-    return list(ids)
 
 
 class Generation:
