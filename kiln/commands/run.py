@@ -124,6 +124,7 @@ class Chat:
         self.format = None  # None, ANY_JSON or a JSON schema: what the answer must be
         self.load_options: dict = {}  # how /load loads another model: backend, context, threads
         self._scheduler = None
+        self.last = None  # the last answer's Sequence: its tokens, text and timings
 
     @property
     def params(self):
@@ -161,6 +162,7 @@ class Chat:
         out = out or sys.stdout  # looked up per call: sys.stdout may be replaced after import
         with fields_named(FLAGS):
             seq, _ = prepare(self.model, self.request(text), self.drafter, self.spec)
+        self.last = seq
         for piece in generate(self.scheduler, seq):
             out.write(piece)
             out.flush()
