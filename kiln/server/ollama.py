@@ -1,4 +1,4 @@
-"""Ollama's API (/api): chat, generate and model management, translated to and from `runtime.Job`.
+"""Ollama's API (/api): chat, generate and model management, translated to and from `generation.Job`.
 
 Streaming is newline-delimited JSON, on by default as in Ollama. Final objects carry Ollama's durations
 in nanoseconds plus kiln's `timings` (queue wait, TTFT, cached prompt tokens, prefill and decode tok/s,
@@ -28,7 +28,9 @@ from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, fields_named
 from kiln.server.openai import Tool
-from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
+from kiln.server.embeddings import embed_inputs, unit_vectors
+from kiln.server.generation import Delta, Final, Job, start
+from kiln.server.runtime import DEFAULT, Runtime, parse_keep_alive
 
 router = APIRouter(prefix="/api", tags=["Ollama"])
 log = logging.getLogger("kiln.server")
@@ -199,7 +201,7 @@ async def chat(body: ChatRequest, request: Request):
     job = Job("ollama", body.model, GenerationRequest(
         **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive)
     with fields_named(FIELDS):
-        generation = await _runtime(request).start(job)
+        generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_chat_lines(generation.events(request), tag))
@@ -223,7 +225,7 @@ async def generate(body: GenerateRequest, request: Request):
     job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
                                                       context=body.context), keep_alive)
     with fields_named(FIELDS):
-        generation = await _runtime(request).start(job)
+        generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_generate_lines(generation.events(request), tag))
@@ -235,13 +237,11 @@ async def generate(body: GenerateRequest, request: Request):
 
 @router.post("/embed", responses=_ERRORS, summary="Embeddings: each input's last final hidden state, normalized")
 async def embed(body: EmbedRequest, request: Request):
-    from kiln.server.runtime import unit_vectors
-
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input")
+    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input")
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -255,7 +255,7 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     if not body.prompt:
         await runtime.preload(body.model, keep_alive)
         return {"embedding": []}
-    result = await runtime.embed("ollama", body.model, [body.prompt], keep_alive, "prompt")
+    result = await embed_inputs(runtime, "ollama", body.model, [body.prompt], keep_alive, "prompt")
     return {"embedding": result.vectors[0].astype(float).tolist()}
 
 

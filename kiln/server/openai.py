@@ -1,4 +1,4 @@
-"""OpenAI's API (/v1): chat completions, completions and models, translated to and from `runtime.Job`
+"""OpenAI's API (/v1): chat completions, completions and models, translated to and from `generation.Job`
 (kiln's request fields keep OpenAI's names, but for `format`: response_format).
 
 Beyond OpenAI's fields every response carries kiln's timings: `usage.prompt_tokens_details.cached_tokens`
@@ -27,7 +27,9 @@ from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import KilnError, ModelNotFoundError, RequestError, fields_named
-from kiln.server.runtime import Delta, Final, Job, Runtime
+from kiln.server.embeddings import embed_inputs, unit_vectors
+from kiln.server.generation import Delta, Final, Job, start
+from kiln.server.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 FIELDS = {"format": "response_format"}  # kiln's request fields that OpenAI names otherwise
@@ -188,7 +190,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         fmt.json_schema.json_schema if fmt.json_schema and fmt.json_schema.json_schema is not None else ANY_JSON))
     names = {**FIELDS, "max_tokens": "max_completion_tokens"} if completion else FIELDS
     with fields_named(names):
-        generation = await _runtime(request).start(job)
+        generation = await start(_runtime(request), job)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
             "system_fingerprint": _fingerprint()}
     if body.stream:
@@ -214,7 +216,7 @@ async def completions(body: CompletionRequest, request: Request):
     job = Job("openai", body.model, GenerationRequest(**body.request_fields(), prompt=prompt, raw=True,
                                                       max_tokens=body.max_tokens, logprobs=body.logprobs))
     with fields_named(FIELDS):
-        generation = await _runtime(request).start(job)
+        generation = await start(_runtime(request), job)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
             "system_fingerprint": _fingerprint()}
     echo = generation.seq.tokenizer.decode(generation.seq.prompt_ids) if body.echo else ""
@@ -240,13 +242,11 @@ class EmbeddingRequest(_Model):
 async def embeddings(body: EmbeddingRequest, request: Request):
     import base64
 
-    from kiln.server.runtime import unit_vectors
-
     raw = body.input
     inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not inputs:
         raise RequestError("input is empty", "input")
-    result = await _runtime(request).embed("openai", body.model, inputs, param="input")
+    result = await embed_inputs(_runtime(request), "openai", body.model, inputs, param="input")
     data = []
     for i, v in enumerate(unit_vectors(result.vectors, body.dimensions)):
         vector = base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64" else v.tolist()

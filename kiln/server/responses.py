@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import RequestError, fields_named
 from kiln.server.openai import _ERRORS, _raise_engine_error, _runtime, timings
-from kiln.server.runtime import Delta, Final, Job
+from kiln.server.generation import Delta, Final, Job, start
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "format": "text.format"}  # kiln's fields, as named here
@@ -138,7 +138,7 @@ def _job(body: ResponseRequest) -> Job:
 async def responses(body: ResponseRequest, request: Request):
     job = _job(body)
     with fields_named(FIELDS):
-        generation = await _runtime(request).start(job)
+        generation = await start(_runtime(request), job)
     shell = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
              "model": generation.loaded.tag, "instructions": body.instructions,
              "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": True,
