@@ -9,7 +9,8 @@ from collections import Counter
 def describe(record) -> dict:
     """Everything `kiln show` reports, read from the GGUF file."""
     from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
-    from kiln.store import quantization_name, sha256_file
+    from kiln.store import quantization_name
+    from kiln.store.fetch import sha256_file
 
     gguf = GGUFFile(record.path)
     try:

@@ -342,7 +342,7 @@ class InProcess:
     def __init__(self, model_ref: str, n_ctx: int, threads: int | None, backend: str):
         from kiln.engine.model import load
         from kiln.engine.scheduler import Scheduler
-        from kiln.store import sha256_file
+        from kiln.store.fetch import sha256_file
 
         self.model = load(model_ref, backend=backend, n_ctx=n_ctx, threads=threads, progress=False)
         self.backend = backend

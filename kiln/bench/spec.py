@@ -184,7 +184,7 @@ def run(args, command: str, progress=None) -> dict:
     from kiln.engine.scheduler import Scheduler
     from kiln.engine.speculative import ModelDrafter, SpecOptions
     from kiln.machine import facts
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     if args.repetitions < 1 or args.prompts < 1 or args.max_tokens < 2:

@@ -121,7 +121,7 @@ def run(model_ref: str, stages: list[int], iterations: int, gen: int = GENERATED
         threads: int | None = None, sleep: float = 1.0, command: str = "kiln bench sweep", progress=None) -> dict:
     from kiln.engine.model import load
     from kiln.machine import facts
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     if iterations < 1 or gen < 2:
         raise KilnError("kiln bench sweep: --iterations must be at least 1 and --gen-tokens at least 2 "

@@ -194,7 +194,7 @@ def print_stats(seq, model, file) -> None:
 
 def cmd_run(args) -> int:
     from kiln.engine.model import load
-    from kiln.store import DEFAULT_MODEL
+    from kiln.store.catalog import DEFAULT_MODEL
 
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():

@@ -117,7 +117,7 @@ def _oracle(model):
 
 
 def _model_sha256(model) -> str:
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     return model.sha256 or sha256_file(model.path)
 

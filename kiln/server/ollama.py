@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -534,18 +533,31 @@ async def _generate_lines(events, tag: str):
             yield {**_head(tag), "response": "", **_done(event), "context": event.seq.all_ids}
 
 
+class _PullWatch:
+    """The pull's progress as the store reports it (on the pull's thread), read by the stream every half
+    second: the bytes of the stage in progress (the download, then the extraction)."""
+
+    def __init__(self):
+        self.completed = 0
+
+    def update(self, stage: str, completed: int, total: int | None) -> None:
+        self.completed = completed
+
+    def note(self, message: str) -> None:
+        log.warning("%s", message)
+
+
 async def _pull_lines(runtime: Runtime, tag: str):
-    """Ollama's progress lines. Bytes are read off the pull's staging folder (the store's documented
-    tmp/<pid>-*/ layout), since the store reports progress only to a terminal."""
+    """Ollama's progress lines."""
     yield {"status": "pulling manifest"}
     try:
         async with runtime.pull_lock:
             entry = next((e for e in runtime.store.available() if e.tag == tag), None)
-            task = asyncio.ensure_future(asyncio.to_thread(runtime.store.pull, tag, False))
-            staging = runtime.store.home / "tmp"
+            watch = _PullWatch()
+            task = asyncio.ensure_future(asyncio.to_thread(runtime.store.pull, tag, False, report=watch))
             while not task.done():
                 await asyncio.wait({task}, timeout=0.5)
-                completed = _staged_bytes(staging)
+                completed = watch.completed
                 if completed and entry is not None:
                     yield {"status": f"pulling {entry.sha256[:12]}", "digest": f"sha256:{entry.sha256}",
                            "total": entry.size, "completed": min(completed, entry.size)}
@@ -558,16 +570,3 @@ async def _pull_lines(runtime: Runtime, tag: str):
     yield {"status": f"pulled {record.tag}", "digest": f"sha256:{record.sha256}", "total": record.size,
            "completed": record.size}
     yield {"status": "success"}
-
-
-def _staged_bytes(staging) -> int:
-    """The largest file this process is staging: the download, then the extracted model."""
-    largest = 0
-    for folder in staging.glob(f"{os.getpid()}-*"):
-        for root, _, files in os.walk(folder):
-            for name in files:
-                try:
-                    largest = max(largest, os.path.getsize(os.path.join(root, name)))
-                except OSError:  # renamed into the store meanwhile
-                    pass
-    return largest

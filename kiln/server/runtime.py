@@ -68,7 +68,7 @@ class Runtime:
         self._switch = asyncio.Lock()  # one load, unload or swap at a time
         self._idle = asyncio.Condition()  # notified when a request releases its model
         self._expiry = asyncio.Event()  # wakes the reaper early (keep_alive 0)
-        self.pull_lock = asyncio.Lock()  # one pull at a time: progress is read off the store's staging folder
+        self.pull_lock = asyncio.Lock()  # one pull at a time, as Ollama runs them
 
     # --- models ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
