@@ -70,8 +70,8 @@ def cmd_serve(args) -> int:
 
     app = create_app(settings, api_key=args.api_key, cors=args.cors, preload=args.model, store=store, on_fatal=fatal)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    # The engine thread needs the GIL for a moment between native steps; with the default 5 ms switch
-    # interval it can wait that long behind the event loop, a large share of a ~8 ms token.
+    # The engine thread needs the GIL for a moment between native steps; with the default switch
+    # interval (5 ms) it can wait that long behind the event loop, a large share of a token's time.
     sys.setswitchinterval(0.0005)
     print(f"kiln serving on http://{args.host}:{args.port} (OpenAI: /v1, Ollama: /api, docs: /docs)", file=sys.stderr)
     server.run()

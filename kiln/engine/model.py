@@ -65,8 +65,8 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
 
 
 def release_free_heap() -> None:
-    """Hand freed heap pages back to the OS. Deserializing a tokenizer leaves ~20 MB of freed buffers
-    that glibc keeps resident, as much as a small model's KV cache."""
+    """Hand freed heap pages back to the OS. Deserializing a tokenizer leaves freed buffers that glibc
+    keeps resident, as much as a small model's KV cache (docs/PERF.md, "Host overhead, loading, memory")."""
     try:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's, without a library search
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim

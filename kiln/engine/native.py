@@ -72,8 +72,8 @@ class Table:
 def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
     """Read a file range once in a background thread, so that it sits in the page cache (which is not
     this process's memory). An embedding row is read from the file when its token first occurs; from a
-    cold cache that read waits on the disk, 0.2-0.7 ms a row against 3 us cached, and
-    POSIX_FADV_WILLNEED measured no better here."""
+    cold cache that read waits on the disk, and POSIX_FADV_WILLNEED did no better (docs/PERF.md,
+    "Sampling, the QKV op's end, the embedding table")."""
     own = os.dup(fd)  # the model may be closed while this runs
 
     def read_range():

@@ -145,7 +145,7 @@ class Sampler:
             logits[ids] = values
             return self._choose(logits, allowed)
         # Penalize the few ids in place and put them back after, instead of copying the whole vocabulary's
-        # logits for every token (7% of a serving engine thread at 8 streams).
+        # logits for every token (a visible share of a serving engine thread: docs/PERF.md, "Sampling").
         saved = logits[ids]
         logits[ids] = values
         try:

@@ -271,10 +271,9 @@ class Scheduler:
             return None
 
     def postprocess(self, batch: Batch, logits: np.ndarray) -> None:
-        """Sample every row, then hand out the step's events. A sink wakes the server's event loop, which
-        then competes for the GIL with the sampling of the rows after it: with 8 streams served, a step's
-        postprocess took 3.0-3.8 ms (median of 5 s windows) handing out events as they came, 2.3-2.8 ms
-        holding them to the end."""
+        """Sample every row, then hand out the step's events: a sink wakes the server's event loop, which
+        would compete for the GIL with the sampling of the rows after it (docs/PERF.md, "Batched step and
+        serving, a second look")."""
         self._outbox = []
         try:
             self._sample(batch, logits)
@@ -333,7 +332,8 @@ class Scheduler:
     def _sample_single_rows(self, spans: list[tuple[Request, Draft | None, int, int]], logits: np.ndarray) -> list[int | None]:
         """The tokens of the requests with one row this step (a prompt's end, a decode step without a draft)
         and no grammar or logit bias, drawn at once on the engine's threads; None for the others, which are
-        sampled one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
+        sampled one by one (in Python, a served step's rows cost a share of it worth saving: docs/PERF.md,
+        "Sampling, the QKV op's end, the embedding table")."""
         jobs, where = [], []
         for i, (req, _, start, n) in enumerate(spans):
             if n == 1 and not req.seq.adjusts_logits and not req.embed:
