@@ -325,3 +325,21 @@ def test_the_engine_thread_serves_and_stops():
         s.submit(waiting.request)
     assert s.stats()["running"] == 0 and s.stats()["kv_cached"] > 0
     assert isinstance(clients[0].finished, Finished)
+
+
+def test_generate_steps_the_scheduler_on_this_thread_and_forgets_an_abandoned_slot():
+    from kiln.engine.generate import generate
+
+    engine = ScriptedEngine(n_slots=1)
+    s = Scheduler(engine, n_slots=1, max_queue=0)
+    first = Client([1, 2, 3], max_tokens=4).seq
+    assert "".join(generate(s, first)) == "DEFG" and first.finish_reason == "length"
+    assert s.slot_tokens[0] == [1, 2, 3, 4, 5, 6]  # the prompt cache a next turn reuses
+    again = Client([1, 2, 3, 4, 5, 6, 9], max_tokens=2).seq
+    assert "".join(generate(s, again)) == "JK" and again.timings.cached_tokens == 6
+    left = Client([1, 2], max_tokens=8).seq
+    stream = generate(s, left)
+    assert next(stream) == "C"
+    stream.close()  # the caller stopped reading (an interrupt): the request is dropped, its KV forgotten
+    assert left.finish_reason == "cancelled" and not s.running and s.free == {0} and s.slot_tokens[0] == []
+    assert "".join(generate(s, Client([5], max_tokens=2).seq)) == "FG"

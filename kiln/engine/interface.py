@@ -39,6 +39,9 @@ class Engine(Protocol):
     def hidden(self, n_out: int) -> np.ndarray:
         """The last step's final hidden states of its first `n_out` rows with logits."""
 
+    def decode(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One token for each of several slots: their logits, in order."""
+
     def forward(self, tokens: Sequence[int], slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
         """One sequence's tokens from position `start`: the last row's logits, or every row's."""
 

@@ -1,7 +1,7 @@
 """One generation request's state: its tokens, sampler, stop conditions, streamed text and timings.
 
-Both the single-sequence loop (`generate`) and the batching scheduler drive sequences through the same
-two calls, `sample(logits)` then `append(token)`, so stopping and detokenizing behave identically.
+Sequences are made by the front door (kiln.engine.request.prepare) and driven by the scheduler through
+two calls, `sample(logits)` then `append(token)`.
 """
 
 from __future__ import annotations

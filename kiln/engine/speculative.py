@@ -39,7 +39,6 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from kiln.engine.interface import Engine
 from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import apply_penalties, candidates, filtered_probs
 from kiln.errors import Field, KilnError, RequestError
@@ -125,11 +124,6 @@ def draft_limit(seq) -> int:
     if spec is None or seq.adjusts_logits:
         return 0
     return max(0, min(spec.length, seq.max_tokens - len(seq.output_ids) - 1))
-
-
-def pass_room(engine: Engine) -> int:
-    """The most draft tokens one pass of `engine` can verify (every row of it returns logits)."""
-    return min(engine.limits.out_rows, engine.limits.rows) - 1
 
 
 def propose(jobs: list[tuple[object, int]]) -> list[Draft]:
