@@ -343,3 +343,15 @@ def test_generate_steps_the_scheduler_on_this_thread_and_forgets_an_abandoned_sl
     stream.close()  # the caller stopped reading (an interrupt): the request is dropped, its KV forgotten
     assert left.finish_reason == "cancelled" and not s.running and s.free == {0} and s.slot_tokens[0] == []
     assert "".join(generate(s, Client([5], max_tokens=2).seq)) == "FG"
+
+
+def test_generate_raises_the_error_that_failed_its_request():
+    from kiln.engine.generate import generate
+    from kiln.errors import KilnError
+
+    engine = ScriptedEngine(n_slots=1)
+    s = Scheduler(engine, n_slots=1, max_queue=0)
+    engine.fail_next = True
+    with pytest.raises(KilnError, match="the engine failed: RuntimeError: simulated kernel fault"):
+        list(generate(s, Client([1, 2, 3]).seq))
+    assert not s.running and s.free == {0} and s.slot_tokens[0] == []
