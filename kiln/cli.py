@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from kiln import __version__
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # The scheduler logs each failure it turns into a request's error, for a server's log; a command
+    # reports that error in its one line instead (kiln serve configures logging to show them).
+    scheduler_log = logging.getLogger("kiln.scheduler")
+    if not scheduler_log.handlers:
+        scheduler_log.addHandler(logging.NullHandler())
     try:
         return int(args.func(args) or 0)
     except KilnError as e:

@@ -1,9 +1,15 @@
 """One error family. Each message names the file, field, tensor or parameter at fault."""
 
+from __future__ import annotations
+
+import copy
 import errno
 import functools
 import os
 import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 
 class KilnError(Exception):
@@ -26,16 +32,48 @@ class StoreError(KilnError):
     """Downloading, verifying or writing a model in the store failed."""
 
 
-class ContextLengthError(KilnError):
+@dataclass(frozen=True)
+class Field:
+    """A request field named in an error message, by kiln's name for it (kiln.engine.request)."""
+
+    name: str
+
+
+class FieldError(KilnError):
+    """A request with a bad field; `param` names it. Raised in kiln's terms: the message is text and
+    `Field`s, so that an API whose fields are named otherwise says them in its own names (`renamed`)."""
+
+    def __init__(self, message: str | tuple[str | Field, ...], param: str | None = None):
+        self.parts = (message,) if isinstance(message, str) else tuple(message)
+        self.param = param
+        super().__init__(self._render({}))
+
+    def _render(self, names: Mapping[str, str]) -> str:
+        return "".join(names.get(p.name, p.name) if isinstance(p, Field) else str(p) for p in self.parts)
+
+    def renamed(self, names: Mapping[str, str]) -> FieldError:
+        """This error with kiln's field names replaced by `names`' (those it lacks stay kiln's)."""
+        error = copy.copy(self)
+        error.param = names.get(self.param, self.param)
+        error.args = (self._render(names),)
+        return error
+
+
+@contextmanager
+def fields_named(names: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside name request fields as an API calls them (`names`: kiln's name -> its own)."""
+    try:
+        yield
+    except FieldError as e:
+        raise e.renamed(names) from None
+
+
+class ContextLengthError(FieldError):
     """A prompt plus requested tokens does not fit the context; kiln never truncates silently."""
 
 
-class RequestError(KilnError):
+class RequestError(FieldError):
     """A generation request with a bad parameter; `param` names it."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])/[^\s'\"`,;:()<>\[\]]+")

@@ -8,7 +8,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kiln.errors import StoreError
+from kiln.errors import RequestError, StoreError
+from kiln.sampling import SamplingParams
 
 # PARAMETER names kiln applies, with their types: SamplingParams' fields, and the stop strings.
 SAMPLING = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
@@ -55,9 +56,6 @@ def check_parameters(raw: dict, where: str) -> tuple[dict, list[str]]:
         else:
             known = ", ".join(sorted([*SAMPLING, "stop"]))
             raise StoreError(f"{where}: unknown parameter {name!r} (kiln applies {known})")
-    from kiln.engine.sampler import SamplingParams
-    from kiln.errors import RequestError
-
     try:  # the ranges, as a request's own values are checked
         SamplingParams().replace(**{k: v for k, v in out.items() if k in SAMPLING})
     except RequestError as e:

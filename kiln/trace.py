@@ -23,7 +23,7 @@ import gc
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -236,10 +236,11 @@ class Request:
 
 
 def _sequence(model, ids, params, n_decode):
-    from kiln.engine.sequence import Sequence
+    from kiln.engine.request import GenerationRequest, prepare
 
-    # no stop tokens: every request decodes exactly n_decode tokens, so all do the same work
-    return Sequence(ids, params, model.tokenizer, max_tokens=n_decode + 1, stop_ids=frozenset())
+    # no stops: every request decodes exactly n_decode tokens, so all do the same work
+    request = GenerationRequest(prompt=ids, sampling=asdict(params), max_tokens=n_decode + 1, ignore_eos=True)
+    return prepare(model, request)[0]
 
 
 def traced_request(model, messages, params, n_decode: int, trace_first: bool | None = True) -> Request:
@@ -558,10 +559,8 @@ def run(ref: str, prompt: str = DEFAULT_PROMPT, n_decode: int = 64, reps: int = 
         n_ctx: int | None = None, chrome: bool = False, read_bytes: int | None = None,
         progress=None) -> tuple[dict, dict | None]:
     """Measure `ref`; return the report and, with `chrome`, a Trace Event Format document."""
-    from dataclasses import asdict
-
     from kiln.engine import native
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.machine import facts
     from kiln.store import Store
     from kiln.validate import ReadLoop

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kiln.bench import compare, history, scenarios, sweep
+from kiln import history
+from kiln.bench import compare, scenarios, sweep
 from kiln.bench.common import SCHEMA_DIR, summary
 from kiln.cli import main as kiln_main
 from kiln.errors import KilnError

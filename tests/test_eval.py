@@ -292,7 +292,7 @@ def test_verify_passes_the_native_engine(smollm2):
 
 @pytest.mark.slow
 def test_cli_gate_fails_a_broken_layer_exits_1_and_records_history(smollm2_path, tmp_path, monkeypatch, capsys):
-    from kiln.bench import history
+    from kiln import history
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     code = cli.main(["eval", "verify", str(smollm2_path), "--ctx", "128", "--steps", "4", "--diagnose",

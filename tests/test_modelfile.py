@@ -142,7 +142,6 @@ def test_a_loaded_created_model_carries_its_system_defaults_and_stops(base, home
 def test_chat_reads_multiline_messages_and_saves_and_loads_models(base, home, monkeypatch, capsys):
     from kiln.commands.run import HELP, Chat, interactive
     from kiln.engine.model import load
-    from kiln.engine.sampler import SamplingParams
 
     lines = iter(['"""first line', "second line", 'third"""', "/set temperature 0", "/set system Be brief.",
                   "/save brief", "/load brief", "/?", "/bye"])
@@ -150,7 +149,7 @@ def test_chat_reads_multiline_messages_and_saves_and_loads_models(base, home, mo
     asked = []
     monkeypatch.setattr(Chat, "ask", lambda self, text, out=None: asked.append((self.model.tag, text)))
     model = load("base:v1", n_ctx=64, progress=False)
-    chat = Chat(model, SamplingParams(), None, None, False)
+    chat = Chat(model, {}, None, None, False)
     chat.load_options = {"n_ctx": 64}
     assert interactive(chat) == 0
     assert asked == [("base:v1", "first line\nsecond line\nthird")]

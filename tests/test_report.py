@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kiln.bench import history, report
+from kiln import history
+from kiln.bench import report
 from kiln.cli import main as kiln_main
 from kiln.synth import write_random_gguf
 

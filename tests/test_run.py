@@ -32,7 +32,7 @@ def test_a_bad_format_is_an_error_naming_the_flag(value, message):
 
 
 def test_set_format_in_a_chat(capsys):
-    chat = Chat(model=None, params=None, num_predict=None, system=None, raw=False)
+    chat = Chat(model=None, sampling=None, num_predict=None, system=None, raw=False)
     slash_command(chat, "/set format json")
     assert chat.format == ANY_JSON
     slash_command(chat, f"/set format {json.dumps(PERSON)}")
@@ -53,3 +53,33 @@ def test_run_answers_json_matching_the_schema(smollm2_path, tmp_path, capsys):
         answer = json.loads(capsys.readouterr().out) if fmt != "json" else None
         if answer is not None:
             jsonschema.validate(answer, PERSON)
+
+
+@pytest.mark.slow
+def test_kiln_run_and_the_server_give_the_same_greedy_tokens():
+    from io import StringIO
+
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.model import load
+    from kiln.server.app import create_app
+    from kiln.server.runtime import Settings
+    from kiln.store import Store
+    from tests.conftest import TEST_HOME
+
+    prompt, sampling = "Name three colours.", {"temperature": 0.0, "repeat_penalty": 1.2}
+    store = Store(home=TEST_HOME)
+    with TestClient(create_app(Settings(parallel=2, ctx_len=256), store=store)) as client:
+        r = client.post("/api/generate", json={"model": "smollm2:135m", "prompt": prompt, "stream": False,
+                                              "options": {**sampling, "num_predict": 24}})
+    assert r.status_code == 200, r.text
+    model = load("smollm2:135m", n_ctx=256, store=store, progress=False)
+    try:
+        chat = Chat(model, sampling, 24, model.system, raw=False)
+        out = StringIO()
+        chat.ask(prompt, out)
+    finally:
+        model.close()
+    served = r.json()
+    assert chat.last.all_ids == served["context"] and len(chat.last.output_ids) == served["eval_count"] > 0
+    assert out.getvalue() == served["response"] + "\n"

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from kiln.engine.interface import Limits
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.scheduler import Finished, QueueFullError, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence
@@ -21,6 +22,7 @@ class ScriptedEngine:
         self.n_slots, self.n_ctx, self.max_batch, self.prefill_rows = n_slots, n_ctx, max_batch, prefill_rows
         if max_out is not None:
             self.max_out = max_out
+        self.limits = Limits(rows=prefill_rows, batch=max_batch, out_rows=prefill_rows if max_out is None else max_out)
         self.steps: list[dict] = []
         self.copies: list[tuple[int, int, int]] = []
         self.kv: list[list[int]] = [[] for _ in range(n_slots)]  # the token each position of a slot was fed
@@ -323,3 +325,33 @@ def test_the_engine_thread_serves_and_stops():
         s.submit(waiting.request)
     assert s.stats()["running"] == 0 and s.stats()["kv_cached"] > 0
     assert isinstance(clients[0].finished, Finished)
+
+
+def test_generate_steps_the_scheduler_on_this_thread_and_forgets_an_abandoned_slot():
+    from kiln.engine.generate import generate
+
+    engine = ScriptedEngine(n_slots=1)
+    s = Scheduler(engine, n_slots=1, max_queue=0)
+    first = Client([1, 2, 3], max_tokens=4).seq
+    assert "".join(generate(s, first)) == "DEFG" and first.finish_reason == "length"
+    assert s.slot_tokens[0] == [1, 2, 3, 4, 5, 6]  # the prompt cache a next turn reuses
+    again = Client([1, 2, 3, 4, 5, 6, 9], max_tokens=2).seq
+    assert "".join(generate(s, again)) == "JK" and again.timings.cached_tokens == 6
+    left = Client([1, 2], max_tokens=8).seq
+    stream = generate(s, left)
+    assert next(stream) == "C"
+    stream.close()  # the caller stopped reading (an interrupt): the request is dropped, its KV forgotten
+    assert left.finish_reason == "cancelled" and not s.running and s.free == {0} and s.slot_tokens[0] == []
+    assert "".join(generate(s, Client([5], max_tokens=2).seq)) == "FG"
+
+
+def test_generate_raises_the_error_that_failed_its_request():
+    from kiln.engine.generate import generate
+    from kiln.errors import KilnError
+
+    engine = ScriptedEngine(n_slots=1)
+    s = Scheduler(engine, n_slots=1, max_queue=0)
+    engine.fail_next = True
+    with pytest.raises(KilnError, match="the engine failed: RuntimeError: simulated kernel fault"):
+        list(generate(s, Client([1, 2, 3]).seq))
+    assert not s.running and s.free == {0} and s.slot_tokens[0] == []

@@ -9,7 +9,7 @@ import pytest
 
 from kiln.errors import RequestError
 from kiln.server.runtime import parse_keep_alive
-from kiln.server.tools import ToolCall, ToolCallParser, render_messages
+from kiln.tools import ToolCall, ToolCallParser, render_messages
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

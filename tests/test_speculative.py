@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kiln.engine.generate import generate
+from kiln.engine.interface import Limits
 from kiln.engine.sampler import SamplingParams, apply_penalties, filtered_probs
 from kiln.engine.scheduler import Request, Scheduler, Token
 from kiln.engine.sequence import Sequence
@@ -85,9 +86,11 @@ V = 5
 
 class BigramEngine:
     """Logits depend only on a row's own token, so the target's exact distribution of whole outputs can be
-    enumerated. Speaks the engine API that generate() uses."""
+    enumerated. Speaks the engine API that the scheduler uses."""
 
     n_ctx = 64
+    limits = Limits(out_rows=Limits.rows)
+    pool = None
 
     def __init__(self, seed: int = 1):
         self.table = np.random.default_rng(seed).normal(0, 1.5, (V, V)).astype(np.float32)
@@ -132,10 +135,11 @@ def exact_outputs(step_probs, prompt, n_tokens, params):
 def sample_outputs(engine, n, n_tokens, params, make_speculation, prompt):
     """How often each output came out of n seeded runs, and the draft tokens (proposed, accepted)."""
     counts, drafted, accepted = {}, 0, 0
+    scheduler = Scheduler(engine, n_slots=1, max_queue=0)
     for seed in range(n):
         seq = Sequence(list(prompt), params.replace(seed=seed), Letters(), n_tokens,
                        speculation=make_speculation())
-        for _ in generate(engine, seq):
+        for _ in generate(scheduler, seq):
             pass
         key = tuple(seq.output_ids)
         counts[key] = counts.get(key, 0) + 1
@@ -387,7 +391,7 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(smollm2_model
             tok = target.tokenizer
             seq = Sequence(tok.encode(PROMPTS[i]), SamplingParams.greedy(), tok, 40, stop_ids=tok.stop_ids,
                            speculation=spec)
-            for _ in generate(target.engine, seq):
+            for _ in generate(Scheduler(target.engine, n_slots=1, max_queue=0), seq):
                 pass
             assert seq.output_ids == plain[i]
 
@@ -493,13 +497,14 @@ def test_bad_speculative_options_name_the_field(client):
     r = client.post("/api/generate", json={"model": "smollm2:135m", "prompt": "hi", "stream": False,
                                           "options": {"draft_max": 99}})
     assert r.status_code == 400 and "draft_max" in r.json()["error"]
-    from kiln.server.runtime import Job, prepare
+    from kiln.engine.request import GenerationRequest, prepare
+    from kiln.errors import fields_named
+    from kiln.server import ollama
 
     assert client.post("/v1/completions", json=base).status_code == 200  # loads the model
     model = client.app.state.runtime.loaded.model  # as on a server started without --draft-model:
-    with pytest.raises(RequestError, match="needs a draft model") as e:
-        prepare(model, Job("ollama", "smollm2:135m", prompt="hi", speculative={"mode": "model"},
-                           speculative_params=("options.draft", "options.draft_max", "options.draft_ngram")))
+    with pytest.raises(RequestError, match="needs a draft model") as e, fields_named(ollama.FIELDS):
+        prepare(model, GenerationRequest(prompt="hi", speculative={"mode": "model"}))
     assert e.value.param == "options.draft"
 
 
@@ -524,7 +529,7 @@ def test_kiln_run_speculates_with_the_same_answer(smollm2_path, capsys):
 def test_bench_spec_measures_both_interleaved_and_records_the_table(smollm2_path, tmp_path, monkeypatch):
     import json
 
-    from kiln.bench import history
+    from kiln import history
     from kiln.cli import main
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path))

@@ -20,7 +20,8 @@ from hf_standin import HubStandIn
 
 from kiln import cli
 from kiln.errors import ModelFileError, ModelNotFoundError, StoreError
-from kiln.store import CATALOG_PATH, DEFAULT_MODEL, Store, load_catalog
+from kiln.store import Store
+from kiln.store.catalog import CATALOG_PATH, DEFAULT_MODEL, load_catalog
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

@@ -228,7 +228,7 @@ def check_chrome(doc: dict, report: dict) -> None:
 
 
 def test_cli_json_chrome_and_history(tmp_path, home, capsys):
-    from kiln.bench import history
+    from kiln import history
     from kiln.cli import main
 
     path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen3", qtype=QT.Q8_0, seed=2)

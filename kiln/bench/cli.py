@@ -81,7 +81,7 @@ def run_perf(a) -> int:
     report = perf.run(a.model, a.n_prompt, a.n_gen, threads, a.depth, a.batch, a.repetitions,
                       progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr), tokens=a.tokens)
     sys.stdout.write({"json": to_json, "csv": to_csv, "md": to_markdown}[a.output](report))
-    from kiln.bench import history
+    from kiln import history
 
     history.record("bench", report, model_sha256=report["model_sha256"], command=" ".join(["kiln bench", *sys.argv[2:]]))
     return 0

@@ -399,7 +399,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     command = command_line("kiln bench compare", args, positional=("files",))

@@ -27,7 +27,7 @@ MAX_SERIES = 8  # lines or bars per figure before it stops being readable: the l
 # --- reading the history ------------------------------------------------------------------------------
 def load(db: Path | None, model: str | None) -> dict[str, list[dict]]:
     """History rows by kind, oldest first; `model` keeps rows whose model name contains it."""
-    from kiln.bench import history
+    from kiln import history
 
     rows: dict[str, list[dict]] = {}
     for row in history.query(path=db):
@@ -382,7 +382,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     db = args.db or history.database_path()
     if args.db and not args.db.exists():

@@ -331,28 +331,29 @@ def decode_rate(output_tokens: int, first: float | None, end: float) -> float | 
 
 
 class InProcess:
-    """kiln's engine in this process, driven like `kiln serve` drives it, one request at a time: chat
-    template, the model's sampling defaults with temperature 0, its stop tokens, and reuse of the KV
-    of the prefix a prompt shares with the last one (with the run id, that is the template's fixed
-    opening, e.g. a default system prompt)."""
+    """kiln's engine in this process, driven as `kiln run` drives it, one request at a time through a
+    scheduler of one slot: chat template, the model's sampling defaults with temperature 0, its stops,
+    and reuse of the KV of the prefix a prompt shares with the last one (with the run id, that is the
+    template's fixed opening, e.g. a default system prompt)."""
 
     recipe = "kiln"
     reported_source = "kiln engine timings (in-process): prompt_ms = prefill, ttft_ms = prefill + first sample"
 
     def __init__(self, model_ref: str, n_ctx: int, threads: int | None, backend: str):
         from kiln.engine.model import load
-        from kiln.store import sha256_file
+        from kiln.engine.scheduler import Scheduler
+        from kiln.store.fetch import sha256_file
 
         self.model = load(model_ref, backend=backend, n_ctx=n_ctx, threads=threads, progress=False)
         self.backend = backend
         self.sha256 = self.model.sha256 or sha256_file(self.model.path)
         self.ctx_size = self.model.n_ctx
-        self.slot_tokens: list[int] = []  # what the KV cache of slot 0 holds
+        self.scheduler = Scheduler(self.model.engine, n_slots=1, max_queue=0)
 
     def describe(self) -> dict:
         m = self.model
         return {"kind": "in-process", "model": m.tag, "model_sha256": self.sha256, "backend": self.backend,
-                "engine": type(m.engine).__name__, "threads": getattr(m.engine, "threads", None), "n_ctx": m.n_ctx}
+                "engine": type(m.engine).__name__, "threads": m.engine.threads, "n_ctx": m.n_ctx}
 
     def count(self, messages) -> int:
         tok = self.model.tokenizer
@@ -365,24 +366,18 @@ class InProcess:
         return None
 
     def run(self, messages: list[dict], max_tokens: int, ignore_eos: bool) -> Run:
-        from kiln.engine.generate import common_prefix, generate
-        from kiln.engine.sampler import SamplingParams
-        from kiln.engine.sequence import Sequence, plan_budget
+        from kiln.engine.generate import generate
+        from kiln.engine.request import GenerationRequest, prepare
 
-        m, tok = self.model, self.model.tokenizer
         start = time.perf_counter()
-        ids = tok.encode(tok.apply_chat_template(messages))
-        budget = plan_budget(len(ids), max_tokens, self.ctx_size)  # a prompt that does not fit fails the run
-        params = SamplingParams().replace(**m.defaults).replace(temperature=0.0)
-        seq = Sequence(ids, params, tok, budget, stop_ids=frozenset() if ignore_eos else tok.stop_ids)
-        cached = common_prefix(self.slot_tokens, ids)
-        self.slot_tokens = []  # unknown until the generation completes
+        # a prompt that does not fit fails the run
+        seq, _ = prepare(self.model, GenerationRequest(messages=list(messages), max_tokens=max_tokens,
+                                                       sampling={"temperature": 0.0}, ignore_eos=ignore_eos))
         first = None
-        for piece in generate(m.engine, seq, cached=cached):
+        for piece in generate(self.scheduler, seq):
             if first is None and piece:
                 first = time.perf_counter()
         end = time.perf_counter()
-        self.slot_tokens = seq.all_ids[:-1]  # the last sampled token was never fed back
         t = seq.timings
         if first is None:
             raise KilnError(f"the model generated no text ({t.completion_tokens} tokens, finish: {seq.finish_reason})")
@@ -699,7 +694,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     extra = load_scenario_file(args.scenario_file) if args.scenario_file else []
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()] if args.scenarios else None

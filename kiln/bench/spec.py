@@ -161,15 +161,18 @@ def prompts(model, dataset: str, count: int) -> list[dict]:
     raise KilnError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
 
 
-def run_once(model, prompt: dict, max_tokens: int, speculation) -> dict:
-    from kiln.engine.generate import generate
-    from kiln.engine.sampler import SamplingParams
-    from kiln.engine.sequence import Sequence
+def run_once(scheduler, model, prompt: dict, max_tokens: int, options, drafter) -> dict:
+    """One greedy answer through `scheduler` (of `model`), speculating as `options` say."""
+    from dataclasses import asdict
 
-    tok = model.tokenizer
-    seq = Sequence(prompt["ids"], SamplingParams.greedy(), tok, max_tokens, stop=prompt["stop"],
-                   stop_ids=tok.stop_ids, speculation=speculation)
-    for _ in generate(model.engine, seq):
+    from kiln.engine.generate import generate
+    from kiln.engine.request import GenerationRequest, prepare
+    from kiln.sampling import SamplingParams
+
+    request = GenerationRequest(prompt=prompt["ids"], sampling=asdict(SamplingParams.greedy()), max_tokens=max_tokens,
+                                stop=prompt["stop"])
+    seq, _ = prepare(model, request, drafter, options)
+    for _ in generate(scheduler, seq):
         pass
     t = seq.timings
     return {"output": list(seq.output_ids), "tokens": max(t.completion_tokens - 1, 0), "decode_ms": t.decode_ms,
@@ -178,9 +181,10 @@ def run_once(model, prompt: dict, max_tokens: int, speculation) -> dict:
 
 def run(args, command: str, progress=None) -> dict:
     from kiln.engine.model import load
-    from kiln.engine.speculative import ModelDrafter, SpecOptions, speculation
+    from kiln.engine.scheduler import Scheduler
+    from kiln.engine.speculative import ModelDrafter, SpecOptions
     from kiln.machine import facts
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     if args.repetitions < 1 or args.prompts < 1 or args.max_tokens < 2:
@@ -195,6 +199,7 @@ def run(args, command: str, progress=None) -> dict:
         if args.draft == "model":
             drafter = ModelDrafter(load(args.draft_model, backend="native", n_ctx=model.n_ctx, threads=args.threads,
                                         progress=progress is not None), model)
+        scheduler = Scheduler(model.engine, n_slots=1, max_queue=0)
         work = {d: prompts(model, d, args.prompts) for d in datasets}
         runs = {d: [] for d in datasets}  # per dataset: one {"target": [...], "spec": [...]} per repetition
         for rep in range(args.repetitions):
@@ -203,8 +208,8 @@ def run(args, command: str, progress=None) -> dict:
                 for prompt in work[d]:
                     order = ("target", "spec") if rep % 2 == 0 else ("spec", "target")
                     for which in order:
-                        spec = speculation(options, drafter) if which == "spec" else None
-                        result = run_once(model, prompt, args.max_tokens, spec)
+                        result = run_once(scheduler, model, prompt, args.max_tokens,
+                                          options if which == "spec" else SpecOptions(), drafter)
                         rep_runs[which].append({"prompt": prompt["name"], **result})
                 runs[d].append(rep_runs)
                 _say(progress, f"repetition {rep + 1}/{args.repetitions} {d}: target {_tps(rep_runs['target']):.1f} "
@@ -275,7 +280,7 @@ def to_markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     command = command_line("kiln bench spec", args, positional=("model",))
     report = run(args, command, progress=lambda msg: print(f"kiln bench spec: {msg}", file=sys.stderr))

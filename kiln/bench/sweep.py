@@ -96,13 +96,18 @@ def story_prompt(tokenizer, n_tokens: int) -> list[int]:
 
 
 def run_once(model, prompt: list[int], gen: int) -> dict:
-    from kiln.engine.generate import generate
-    from kiln.engine.sampler import SamplingParams
-    from kiln.engine.sequence import Sequence
+    from dataclasses import asdict
 
-    # Greedy, no stop tokens: every run generates exactly `gen` tokens, as flm's fixed 32.
-    seq = Sequence(prompt, SamplingParams.greedy(), model.tokenizer, gen, stop_ids=frozenset())
-    for _ in generate(model.engine, seq):
+    from kiln.engine.generate import generate
+    from kiln.engine.request import GenerationRequest, prepare
+    from kiln.engine.scheduler import Scheduler
+    from kiln.sampling import SamplingParams
+
+    # Greedy, no stops: every run generates exactly `gen` tokens, as flm's fixed 32. A scheduler of its
+    # own, whose empty prompt cache makes every run prefill the whole prompt.
+    seq, _ = prepare(model, GenerationRequest(prompt=prompt, sampling=asdict(SamplingParams.greedy()), max_tokens=gen,
+                                              ignore_eos=True))
+    for _ in generate(Scheduler(model.engine, n_slots=1, max_queue=0), seq):
         pass
     t = seq.timings
     if t.completion_tokens != gen:
@@ -116,7 +121,7 @@ def run(model_ref: str, stages: list[int], iterations: int, gen: int = GENERATED
         threads: int | None = None, sleep: float = 1.0, command: str = "kiln bench sweep", progress=None) -> dict:
     from kiln.engine.model import load
     from kiln.machine import facts
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     if iterations < 1 or gen < 2:
         raise KilnError("kiln bench sweep: --iterations must be at least 1 and --gen-tokens at least 2 "
@@ -204,7 +209,7 @@ def to_markdown(report: dict) -> str:
 
 
 def main(args) -> int:
-    from kiln.bench import history
+    from kiln import history
 
     stages = [parse_size(s) for s in args.stages.split(",") if s.strip()]
     command = command_line("kiln bench sweep", args, positional=("model",))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
+
+from kiln.modelinfo import describe, modelfile_of
 
 TEMPLATE_PREVIEW_LINES = 8
 
@@ -137,83 +138,8 @@ def _runs_as(type_names: list[str]) -> str:
     return "; ".join(parts)
 
 
-def describe(record) -> dict:
-    """Everything `kiln show` reports, read from the GGUF file."""
-    from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
-    from kiln.store import quantization_name, sha256_file
-
-    gguf = GGUFFile(record.path)
-    try:
-        arch = gguf.architecture
-        meta = lambda key, default=None: gguf.get(f"{arch}.{key}", default)  # noqa: E731
-        layers = int(meta("block_count", 0))
-        heads = _per_layer(meta("attention.head_count"), layers)
-        kv_heads = _per_layer(meta("attention.head_count_kv"), layers) or heads
-        embedding = meta("embedding_length")
-        head_dim = meta("attention.key_length") or (embedding // max(heads) if embedding and heads else None)
-        context = int(meta("context_length", 0))
-        memory = _footprint(record)
-        n_params = sum(t.n_elements for t in gguf.tensors.values())
-        template = gguf.get("tokenizer.chat_template")
-        return {
-            "tag": record.tag,
-            "path": str(record.path),
-            "sha256": record.sha256 or sha256_file(record.path),
-            "size": record.path.stat().st_size,
-            "family": arch,
-            "name": gguf.get("general.name"),
-            "parameters": n_params,
-            "quantization": quantization_name(gguf),
-            "tensor_types": dict(Counter(t.type.name for t in gguf.tensors.values()).most_common()),
-            "requantized": sorted({t.type.name for t in gguf.tensors.values() if t.type in REQUANTIZED_TYPES}),
-            "context_length": context,
-            "embedding_length": embedding,
-            "layers": layers,
-            "heads": _uniform(heads),
-            "kv_heads": _uniform(kv_heads),
-            "head_dim": head_dim,
-            **memory,
-            "labels": record.details.get("labels", []),
-            "chat_template": template,
-            "system": record.system,
-            "defaults": record.effective_parameters(),
-            "license": record.license,
-            "source": record.source,
-        }
-    finally:
-        gguf.close()
-
-
-def _footprint(record) -> dict:
-    """What loading the model allocates (packed weights, fp16 KV cache at the default context, working
-    buffers), or the file's bytes when the native core cannot say."""
-    from kiln.errors import KilnError
-    from kiln.validate import footprint
-
-    try:
-        fp = footprint(str(record.path), None)
-    except (KilnError, ImportError) as e:
-        return {"weights_bytes": record.path.stat().st_size, "kv_cache_bytes": None, "kv_context": None,
-                "working_bytes": None, "footprint_bytes": None, "footprint_note": str(e)}
-    return {"weights_bytes": fp["weights_bytes"], "kv_cache_bytes": fp["kv_bytes"], "kv_context": fp["n_ctx"],
-            "working_bytes": fp["working_bytes_estimate"], "footprint_bytes": fp["total_bytes"]}
-
-
-def _per_layer(value, layers: int) -> list[int]:
-    """Head counts are a number, or (in some architectures) one number per layer."""
-    if value is None:
-        return []
-    if hasattr(value, "__len__"):
-        return [int(v) for v in value]
-    return [int(value)] * max(layers, 1)
-
-
 def _millions_or_billions(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def _uniform(values: list[int]):
-    return values[0] if values and len(set(values)) == 1 else values or None
 
 
 def cmd_create(args) -> int:
@@ -241,13 +167,6 @@ def cmd_cp(args) -> int:
     record = Store().copy(args.source, args.destination)
     print(f"copied {args.source} to {record.tag}")
     return 0
-
-
-def modelfile_of(record) -> str:
-    from kiln.modelfile import render
-
-    return render(record.tag if record.sha256 else str(record.path), record.system, record.effective_parameters(),
-                  record.license)
 
 
 def cmd_show(args) -> int:

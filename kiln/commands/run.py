@@ -72,16 +72,16 @@ def spec_from_args(args):
                                  ngram=args.ngram)
 
 
-def sampling_from_args(args, defaults: dict):
-    """Ollama's defaults, then the model's own (from the catalog), then the command line."""
-    from kiln.engine.sampler import SamplingParams
-
-    return SamplingParams().replace(**defaults).replace(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty, seed=args.seed)
+def sampling_from_args(args) -> dict:
+    """The sampling values the command line sets, over the model's defaults (None: not set)."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repeat_penalty": args.repeat_penalty, "seed": args.seed}
 
 
-ANY_JSON = "json"
+ANY_JSON = "json"  # as kiln.engine.request.ANY_JSON, which registering the command does not import
+# kiln's request fields, as this command's flags name them
+FLAGS = {"format": "--format", "max_tokens": "--num-predict", "speculative.mode": "--draft",
+         "speculative.max": "--draft-max", "speculative.ngram": "--ngram"}
 
 
 def output_format(value: str | None):
@@ -110,56 +110,67 @@ def output_format(value: str | None):
 
 
 class Chat:
-    """A conversation on one KV slot; each turn reuses the KV of the prefix it shares with the last."""
+    """A conversation through a scheduler of one KV slot, whose prompt cache reuses the KV of the prefix
+    each turn shares with the last."""
 
-    def __init__(self, model, params, num_predict, system, raw, spec=None, drafter=None):
+    def __init__(self, model, sampling, num_predict, system, raw, spec=None, drafter=None):
         from kiln.engine.speculative import SpecOptions
 
-        self.model, self.params, self.num_predict, self.system, self.raw = model, params, num_predict, system, raw
+        self.model, self.num_predict, self.system, self.raw = model, num_predict, system, raw
+        self.sampling: dict = dict(sampling or {})  # the command line's and /set's values over the model's
         self.spec, self.drafter = spec or SpecOptions(), drafter  # speculative decoding, and the draft model
         self.messages: list[dict] = []
-        self.slot_tokens: list[int] = []
         self.verbose = False
         self.format = None  # None, ANY_JSON or a JSON schema: what the answer must be
         self.load_options: dict = {}  # how /load loads another model: backend, context, threads
+        self._scheduler = None
+        self.last = None  # the last answer's Sequence: its tokens, text and timings
+
+    @property
+    def params(self):
+        """The sampling parameters an answer gets."""
+        from kiln.engine.request import sampling_params
+
+        return sampling_params(self.model, self.sampling)
+
+    @property
+    def scheduler(self):
+        """The model's scheduler, made at the first answer (and again after /load)."""
+        from kiln.engine.scheduler import Scheduler
+
+        if self._scheduler is None or self._scheduler.engine is not self.model.engine:
+            self._scheduler = Scheduler(self.model.engine, n_slots=1, max_queue=0)
+        return self._scheduler
 
     def clear(self) -> None:
-        self.messages, self.slot_tokens = [], []
+        self.messages = []
 
-    def prompt_ids(self, text: str) -> list[int]:
-        tok = self.model.tokenizer
+    def request(self, text: str):
+        from kiln.engine.request import GenerationRequest
+
+        turn = {"max_tokens": self.num_predict, "sampling": self.sampling, "format": self.format}
         if self.raw:
-            return tok.encode(text)
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
-        return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}]))
+            return GenerationRequest(prompt=text, raw=True, **turn)
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return GenerationRequest(messages=system + self.messages + [{"role": "user", "content": text}], **turn)
 
     def ask(self, text: str, out=None) -> None:
-        from kiln.engine.generate import common_prefix, generate
-        from kiln.engine.grammar import Constraint, json_grammar
-        from kiln.engine.sequence import Sequence, plan_budget
-        from kiln.engine.speculative import speculation
+        from kiln.engine.generate import generate
+        from kiln.engine.request import prepare
+        from kiln.errors import fields_named
 
         out = out or sys.stdout  # looked up per call: sys.stdout may be replaced after import
-        m = self.model
-        ids = self.prompt_ids(text)
-        budget = plan_budget(len(ids), self.num_predict, m.n_ctx)
-        constraint = None
-        if self.format is not None:
-            schema = None if self.format == ANY_JSON else self.format
-            constraint = Constraint(m.tokenizer, json_grammar(schema, "--format"), "--format")
-        seq = Sequence(ids, self.params, m.tokenizer, budget, stop=list(m.stop), stop_ids=m.tokenizer.stop_ids,
-                       constraint=constraint, speculation=speculation(self.spec, self.drafter, "--draft"))
-        cached = common_prefix(self.slot_tokens, ids)
-        self.slot_tokens = []  # until the answer completes, the slot's contents are unknown
-        for piece in generate(m.engine, seq, cached=cached):
+        with fields_named(FLAGS):
+            seq, _ = prepare(self.model, self.request(text), self.drafter, self.spec)
+        self.last = seq
+        for piece in generate(self.scheduler, seq):
             out.write(piece)
             out.flush()
         out.write("\n")
         out.flush()
-        self.slot_tokens = seq.all_ids[:-1]  # the last sampled token was never fed back
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": seq.text}]
         if self.verbose:
-            print_stats(seq, m, file=sys.stderr)
+            print_stats(seq, self.model, file=sys.stderr)
 
 
 def print_stats(seq, model, file) -> None:
@@ -183,7 +194,7 @@ def print_stats(seq, model, file) -> None:
 
 def cmd_run(args) -> int:
     from kiln.engine.model import load
-    from kiln.store import DEFAULT_MODEL
+    from kiln.store.catalog import DEFAULT_MODEL
 
     prompt = " ".join(args.prompt)
     if not prompt and not sys.stdin.isatty():
@@ -199,7 +210,7 @@ def cmd_run(args) -> int:
         drafter = ModelDrafter(draft, model)
     system = args.system if args.system is not None else model.system
     num_predict = None if args.num_predict is not None and args.num_predict < 0 else args.num_predict  # as Ollama's -1
-    chat = Chat(model, sampling_from_args(args, model.defaults), num_predict, system, args.raw, spec, drafter)
+    chat = Chat(model, sampling_from_args(args), num_predict, system, args.raw, spec, drafter)
     chat.verbose = args.verbose
     chat.format = answer_format
     chat.load_options = {"backend": args.backend, "n_ctx": args.ctx_len, "threads": args.threads}
@@ -251,7 +262,7 @@ def save_model(chat: Chat, name: str) -> None:
     the defaults (what `kiln create` makes from a Modelfile)."""
     from dataclasses import asdict
 
-    from kiln.engine.sampler import SamplingParams
+    from kiln.sampling import SamplingParams
     from kiln.modelfile import Recipe
     from kiln.store import Store
 
@@ -267,14 +278,12 @@ def save_model(chat: Chat, name: str) -> None:
 def load_model(chat: Chat, name: str) -> None:
     """/load: another model continues the conversation, with its own defaults and system message."""
     from kiln.engine.model import load
-    from kiln.engine.sampler import SamplingParams
 
     if chat.drafter is not None:
         raise KilnError("/load cannot swap the model a --draft-model drafts for; start kiln run again")
     model = load(name, **chat.load_options)
     chat.model.close()
-    chat.model, chat.slot_tokens = model, []
-    chat.params = SamplingParams().replace(**model.defaults)
+    chat.model, chat.sampling = model, {}
     chat.system = model.system
     print(f"Loaded {model.tag}; the chat goes on.", file=sys.stderr)
 
@@ -316,10 +325,12 @@ def set_option(chat: Chat, name: str, value: str) -> None:
             chat.system = value
         elif name == "num_predict":
             chat.num_predict = int(value) if int(value) >= 0 else None
-        elif name in ("temperature", "top_p", "min_p", "repeat_penalty"):
-            chat.params = chat.params.replace(**{name: float(value)})
-        elif name in ("top_k", "seed"):
-            chat.params = chat.params.replace(**{name: int(value)})
+        elif name in ("temperature", "top_p", "min_p", "repeat_penalty", "top_k", "seed"):
+            from kiln.sampling import SamplingParams
+
+            number = int(value) if name in ("top_k", "seed") else float(value)
+            SamplingParams().replace(**{name: number})  # its range, checked as a request's is
+            chat.sampling = {**chat.sampling, name: number}
         elif name == "format":
             chat.format = output_format(value)
         else:

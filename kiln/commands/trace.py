@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def cmd_trace(args) -> int:
     from kiln import trace
-    from kiln.bench import history
+    from kiln import history
 
     if args.threads is not None and args.threads < 1:
         raise SystemExit("kiln trace: --threads must be at least 1")

@@ -1,51 +1,35 @@
-"""The single-sequence loop: prefill, then sample → append → decode until the sequence finishes."""
+"""One request at a time through the scheduler, stepped on the calling thread: `kiln run` and the
+in-process benchmarks take the same decode loop, prompt cache, stops, grammar and speculation as the
+server's requests."""
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
+from kiln.engine.scheduler import Finished, Request, Scheduler, Token
 from kiln.engine.sequence import Sequence
+from kiln.errors import KilnError
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def generate(engine, seq: Sequence, cached: int = 0) -> Iterator[str]:
-    """Yield text as it is released. `cached` prompt tokens already sit in the slot's KV cache; at least
-    the last prompt token is always recomputed, since its logits are needed. A speculating sequence feeds
-    its last token and a draft in one pass, and takes what the target accepts (kiln.engine.speculative)."""
-    from kiln.engine.speculative import Draft, draft_limit, pass_room, propose, verify
-
-    cached = min(cached, len(seq.prompt_ids) - 1)
-    seq.timings.cached_tokens = cached
-    if seq.finished:
-        seq.finish(seq.finish_reason)
-        return
-    t0 = time.perf_counter()
-    logits = engine.forward(seq.prompt_ids[cached:], seq.slot, cached)
-    seq.timings.prefill_ms = (time.perf_counter() - t0) * 1e3
+def generate(scheduler: Scheduler, seq: Sequence) -> Iterator[str]:
+    """Yield text as `seq` releases it, running `scheduler`'s steps here (its thread is never started)
+    until the sequence finishes. Leaving early, or an interrupt, cancels it and forgets what its slot
+    holds."""
+    events: list[Token | Finished] = []
+    request = Request(seq, events.append)
+    scheduler.submit(request)
+    finished = False
     try:
-        tokens = [seq.sample(logits)]
-        while True:
-            for token in tokens:
-                piece = seq.append(token)
-                if piece:
-                    yield piece
-                if seq.finished:
-                    return
-            limit = min(draft_limit(seq), pass_room(engine))
-            draft = propose([(seq, limit)])[0] if limit else Draft([])
-            rows = [token, *draft.tokens]
-            position = len(seq.all_ids) - 1  # the last token is the first not in the KV cache
-            logits = engine.step(rows, [seq.slot] * len(rows), range(position, position + len(rows)),
-                                 range(len(rows)))
-            tokens = verify(seq, draft, logits)
+        while not finished:
+            scheduler.step()
+            arrived, events[:] = list(events), []
+            for event in arrived:
+                if isinstance(event, Finished):
+                    finished = True
+                    if event.error:
+                        raise KilnError(event.error)
+                elif event.text:
+                    yield event.text
     finally:
-        seq.finish("cancelled")
+        if not finished:
+            scheduler.abandon(request)

@@ -15,7 +15,7 @@ import llguidance as llg
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-from kiln.errors import KilnError, RequestError
+from kiln.errors import Field, KilnError, RequestError
 
 # Compact JSON: with free whitespace a small model can pad a document with newlines until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -60,14 +60,14 @@ def _build_lltokenizer(tokenizer) -> llg.LLTokenizer:
 def json_grammar(schema: dict | None, param: str) -> str:
     """A grammar for JSON matching `schema`; None means any JSON object (OpenAI's json_object, Ollama's "json")."""
     if schema is not None and not isinstance(schema, dict):
-        raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        raise RequestError((Field(param), f": a JSON schema must be an object, got {type(schema).__name__}"), param)
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_OPTIONS)
     except ValueError as e:
-        raise RequestError(f"{param}: not a usable JSON schema ({e})", param) from None
+        raise RequestError((Field(param), f": not a usable JSON schema ({e})"), param) from None
     error = llg.LLMatcher.validate_grammar(grammar)  # without a tokenizer: reported before any model is needed
     if error:
-        raise RequestError(f"{param}: the schema cannot be enforced: {error}", param)
+        raise RequestError((Field(param), f": the schema cannot be enforced: {error}"), param)
     return grammar
 
 
@@ -81,7 +81,7 @@ class Constraint:
     def __init__(self, tokenizer, grammar: str, param: str):
         matcher = llg.LLMatcher(lltokenizer(tokenizer), grammar, log_level=0)
         if matcher.is_error():
-            raise RequestError(f"{param}: the schema cannot be enforced: {matcher.get_error()}", param)
+            raise RequestError((Field(param), f": the schema cannot be enforced: {matcher.get_error()}"), param)
         self._matcher = matcher
         self._vocab = tokenizer.vocab_size
         self._bits = np.full((1, (lltokenizer(tokenizer).vocab_size + 31) // 32), -1, dtype=np.int32)

@@ -16,6 +16,16 @@ def check_span(start: int, count: int, n_ctx: int) -> None:
         )
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two lists share: how much of a slot's KV a new prompt can reuse."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_ctx: int, n_kv_heads: int, head_dim: int, dtype=np.float32):
         shape = (n_slots, n_ctx, n_kv_heads * head_dim)

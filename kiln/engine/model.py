@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.engine.interface import Engine
 from kiln.errors import KilnError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
@@ -25,7 +26,7 @@ class Model:
     gguf: GGUFFile
     config: ModelConfig
     tokenizer: Tokenizer
-    engine: object
+    engine: Engine
     n_ctx: int
     load_ms: float
     cache_dir: Path | None = None
@@ -64,15 +65,15 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
 
 
 def release_free_heap() -> None:
-    """Hand freed heap pages back to the OS. Deserializing a tokenizer leaves ~20 MB of freed buffers
-    that glibc keeps resident, as much as a small model's KV cache."""
+    """Hand freed heap pages back to the OS. Deserializing a tokenizer leaves freed buffers that glibc
+    keeps resident, as much as a small model's KV cache (docs/PERF.md, "Host overhead, loading, memory")."""
     try:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's, without a library search
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
         pass
 
 
-def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256):
+def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256) -> Engine:
     """The native core when it is built (or asked for), else the numpy oracle."""
     from kiln.engine import native
     from kiln.engine.oracle import OracleEngine

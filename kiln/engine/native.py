@@ -21,6 +21,7 @@ from gguf import quants as gguf_quants
 
 from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
+from kiln.engine.interface import Limits
 from kiln.engine.kv import check_span
 from kiln.engine.oracle import rope_angles
 from kiln.engine.repack_cache import RepackCache
@@ -76,8 +77,8 @@ class Table:
 def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
     """Read a file range once in a background thread, so that it sits in the page cache (which is not
     this process's memory). An embedding row is read from the file when its token first occurs; from a
-    cold cache that read waits on the disk, 0.2-0.7 ms a row against 3 us cached, and
-    POSIX_FADV_WILLNEED measured no better here."""
+    cold cache that read waits on the disk, and POSIX_FADV_WILLNEED did no better (docs/PERF.md,
+    "Sampling, the QKV op's end, the embedding table")."""
     own = os.dup(fd)  # the model may be closed while this runs
 
     def read_range():
@@ -339,8 +340,8 @@ class NativeEngine:
         self.kv_arena = _native.Arena(2 * 2 * cfg.n_layers * kv_elems)
         self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16).reshape(cfg.n_layers, 2, kv_elems)
         self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
-        self.max_batch, self.prefill_rows = max_batch, max(prefill_rows, max_batch + 1)
-        self.max_out = min(max_out, self.prefill_rows)
+        rows = max(prefill_rows, max_batch + 1)
+        self.limits = Limits(rows=rows, batch=max_batch, out_rows=min(max_out, rows))
         self.negate_layer: int | None = None
         self._root = root
         self._compile()
@@ -350,13 +351,10 @@ class NativeEngine:
     def _compile(self) -> None:
         # One step runs at a time and nothing in an arena outlives its step (step() copies the logits
         # out), so the decode plan lays its buffers over the prefill plan's arena.
-        self.prefill_plan = NativePlan(self, self._root, self.prefill_rows, self.max_out)
-        self.decode_plan = NativePlan(self, self._root, self.max_batch, self.max_batch, arena=self.prefill_plan.arena)
+        lim = self.limits
+        self.prefill_plan = NativePlan(self, self._root, lim.rows, lim.out_rows)
+        self.decode_plan = NativePlan(self, self._root, lim.batch, lim.batch, arena=self.prefill_plan.arena)
         self._last_plan = self.decode_plan
-
-    @property
-    def plans(self) -> tuple[NativePlan, NativePlan]:
-        return self.decode_plan, self.prefill_plan
 
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose (its attention output changes sign), to show accuracy checks fail."""
@@ -400,7 +398,7 @@ class NativeEngine:
         if n and (min(positions) < 0 or max(positions) >= self.n_ctx):
             bad = next(int(p) for p in positions if not 0 <= p < self.n_ctx)
             raise RequestError(f"position {bad} is outside the context of {self.n_ctx}", param="positions")
-        plan = self.decode_plan if n <= self.max_batch else self.prefill_plan
+        plan = self.decode_plan if n <= self.limits.batch else self.prefill_plan
         if n > plan.rows or n_out > plan.out_rows:
             raise ValueError(f"a step of {n} rows ({n_out} with logits) exceeds the plan's {plan.rows} "
                              f"({plan.out_rows} with logits)")
@@ -423,7 +421,7 @@ class NativeEngine:
     def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:
         tokens = list(tokens)
         check_span(start, len(tokens), self.n_ctx)
-        chunk = self.prefill_plan.out_rows if all_logits else self.prefill_rows
+        chunk = self.prefill_plan.out_rows if all_logits else self.limits.rows
         results = []
         for i in range(0, len(tokens), chunk):
             part = tokens[i : i + chunk]
@@ -434,8 +432,9 @@ class NativeEngine:
 
     def decode(self, tokens, slots, positions) -> np.ndarray:
         out = []
-        for i in range(0, len(tokens), self.max_batch):
-            n = len(tokens[i : i + self.max_batch])
+        batch = self.limits.batch
+        for i in range(0, len(tokens), batch):
+            n = len(tokens[i : i + batch])
             out.append(self.step(tokens[i : i + n], slots[i : i + n], positions[i : i + n], list(range(n))))
         return np.concatenate(out)
 
@@ -446,10 +445,6 @@ class NativeEngine:
         kv = self._kv.reshape(cfg.n_layers, 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
         n = -(-length // 8) * 8 * cfg.head_dim
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
-
-    @property
-    def ops_per_step(self) -> int:
-        return self.decode_plan.plan.n_ops
 
     def close(self) -> None:
         self.decode_plan = self.prefill_plan = None

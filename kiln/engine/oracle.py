@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.engine.interface import Limits
 from kiln.engine.kv import KVCache, check_span
 from kiln.gguf import GGUFFile
 from kiln.models import Family
@@ -114,6 +115,8 @@ class OracleEngine:
     name = "oracle"
     processor = "CPU (numpy oracle)"
     pool = None  # no native threads: a step's rows are sampled on the calling thread
+    threads = None
+    limits = Limits(out_rows=Limits.rows)  # no plans: every row of a step may return logits
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32):
         """`kv_dtype=np.float16` stores the cache the way the native engine does, so tests can hold the

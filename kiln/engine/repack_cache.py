@@ -28,7 +28,7 @@ import secrets
 from pathlib import Path
 
 from kiln.gguf import GGUFFile
-from kiln.store import _pid_alive
+from kiln.store import TMP_SUFFIX, clean_temps
 
 try:
     from kiln import _native
@@ -36,7 +36,6 @@ except ImportError:  # no native engine: nothing writes or reads a repack cache
     _native = None
 
 INDEX, ARENA = "packed.json", "packed.bin"
-TMP_SUFFIX = ".kiln-tmp"
 _CHUNK = 1 << 20
 
 log = logging.getLogger("kiln.cache")
@@ -167,20 +166,6 @@ def remove(directory: Path) -> None:
     for name in (INDEX, ARENA):  # the index first: an arena without one is never read
         with contextlib.suppress(OSError):
             (Path(directory) / name).unlink()
-
-
-def clean_temps(directory: Path) -> None:
-    """Remove the temporary files that processes no longer running left in `directory`."""
-    try:
-        temps = [p for p in Path(directory).iterdir() if p.name.endswith(TMP_SUFFIX)]
-    except OSError:
-        return
-    for temp in temps:
-        pid = temp.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1].split("-", 1)[0]
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):  # another process cleaning at the same time, a read-only store
-            temp.unlink()
 
 
 def file_identity(st: os.stat_result) -> list[int]:

@@ -34,7 +34,8 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.engine.generate import common_prefix
+from kiln.engine.interface import Engine
+from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import sample_rows
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import Draft, draft_limit, propose, verify
@@ -115,12 +116,10 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
+    def __init__(self, engine: Engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
         self.engine = engine
-        # The native engine's plan limits; the oracle has none, so it gets the same shape of batches.
-        self.max_rows = getattr(engine, "prefill_rows", 128)
-        self.max_decode = getattr(engine, "max_batch", 16)
-        self.max_out = getattr(engine, "max_out", self.max_rows)
+        limits = engine.limits
+        self.max_rows, self.max_decode, self.max_out = limits.rows, limits.batch, limits.out_rows
         self.chunk = min(prefill_chunk or self.max_rows, self.max_rows)
         self.n_slots, self.n_ctx, self.max_queue = n_slots, engine.n_ctx, max_queue
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -168,6 +167,16 @@ class Scheduler:
                 req.seq.finish("cancelled")
                 req.sink(Finished("the model was unloaded"))
 
+    def abandon(self, req: Request) -> None:
+        """Drop `req` at once, from the thread that steps the scheduler (kiln.engine.generate), whatever
+        the step it was part of had done: its slot's contents are forgotten."""
+        with self._cv:
+            if req in self.running:
+                self._retire(req, "cancelled", "abandoned")
+            elif req in self.waiting:
+                self.waiting.remove(req)
+                req.seq.finish("cancelled")
+
     def stats(self) -> dict:
         with self._cv:
             return {"running": len(self.running), "waiting": len(self.waiting),
@@ -176,9 +185,16 @@ class Scheduler:
 
     # --- the engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while (batch := self.schedule()) is not None:
-            if batch.tokens and (logits := self.run(batch)) is not None:
-                self.postprocess(batch, logits)
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """schedule → run → postprocess, once; False when the scheduler is stopping."""
+        if (batch := self.schedule()) is None:
+            return False
+        if batch.tokens and (logits := self.run(batch)) is not None:
+            self.postprocess(batch, logits)
+        return True
 
     def schedule(self) -> Batch | None:
         with self._cv:
@@ -255,10 +271,9 @@ class Scheduler:
             return None
 
     def postprocess(self, batch: Batch, logits: np.ndarray) -> None:
-        """Sample every row, then hand out the step's events. A sink wakes the server's event loop, which
-        then competes for the GIL with the sampling of the rows after it: with 8 streams served, a step's
-        postprocess took 3.0-3.8 ms (median of 5 s windows) handing out events as they came, 2.3-2.8 ms
-        holding them to the end."""
+        """Sample every row, then hand out the step's events: a sink wakes the server's event loop, which
+        would compete for the GIL with the sampling of the rows after it (docs/PERF.md, "Batched step and
+        serving, a second look")."""
         self._outbox = []
         try:
             self._sample(batch, logits)
@@ -317,7 +332,8 @@ class Scheduler:
     def _sample_single_rows(self, spans: list[tuple[Request, Draft | None, int, int]], logits: np.ndarray) -> list[int | None]:
         """The tokens of the requests with one row this step (a prompt's end, a decode step without a draft)
         and no grammar or logit bias, drawn at once on the engine's threads; None for the others, which are
-        sampled one by one. In Python, sampling 8 served streams took 1.7 ms of a 25 ms step."""
+        sampled one by one (in Python, a served step's rows cost a share of it worth saving: docs/PERF.md,
+        "Sampling, the QKV op's end, the embedding table")."""
         jobs, where = [], []
         for i, (req, _, start, n) in enumerate(spans):
             if n == 1 and not req.seq.adjusts_logits and not req.embed:

@@ -1,18 +1,25 @@
 """One generation request's state: its tokens, sampler, stop conditions, streamed text and timings.
 
-Both the single-sequence loop (`generate`) and the batching scheduler drive sequences through the same
-two calls, `sample(logits)` then `append(token)`, so stopping and detokenizing behave identically.
+Sequences are made by the front door (kiln.engine.request.prepare) and driven by the scheduler through
+two calls, `sample(logits)` then `append(token)`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.engine.sampler import Sampler, SamplingParams, log_softmax
-from kiln.errors import ContextLengthError, RequestError
+from kiln.engine.sampler import Sampler, log_softmax
+from kiln.sampling import SamplingParams
+from kiln.errors import ContextLengthError, Field, RequestError
+
+if TYPE_CHECKING:
+    from kiln.engine.grammar import Constraint
+    from kiln.engine.speculative import Speculation
+    from kiln.tokenizer import Tokenizer
 
 
 @dataclass
@@ -65,7 +72,7 @@ def plan_budget(prompt_len: int, max_tokens: int | None, n_ctx: int) -> int:
     """How many tokens may be generated. A prompt that does not fit, or a request for more tokens than
     the context has room for, is an error — kiln never truncates a prompt silently."""
     if max_tokens is not None and max_tokens < 0:
-        raise RequestError(f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
+        raise RequestError((Field("max_tokens"), f" must be >= 0, got {max_tokens}"), param="max_tokens")
     if prompt_len >= n_ctx:
         raise ContextLengthError(
             f"the prompt is {prompt_len} tokens but the context holds {n_ctx} (at least one must be left to generate)"
@@ -73,10 +80,8 @@ def plan_budget(prompt_len: int, max_tokens: int | None, n_ctx: int) -> int:
     if max_tokens is None:
         return n_ctx - prompt_len
     if prompt_len + max_tokens > n_ctx:
-        raise ContextLengthError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-            f"exceeds the context of {n_ctx} tokens"
-        )
+        raise ContextLengthError((f"prompt ({prompt_len} tokens) + ", Field("max_tokens"), f" ({max_tokens}) = "
+                                  f"{prompt_len + max_tokens} exceeds the context of {n_ctx} tokens"), "max_tokens")
     return max_tokens
 
 
@@ -84,14 +89,14 @@ def plan_budget(prompt_len: int, max_tokens: int | None, n_ctx: int) -> int:
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
-    tokenizer: object
+    tokenizer: Tokenizer
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     slot: int = 0
     logprobs: int | None = None  # top alternatives to report per token; None: no logprobs
-    constraint: object | None = None  # a grammar matcher (structured output) with allowed()/consume()
-    speculation: object | None = None  # kiln.engine.speculative.Speculation: who drafts tokens, how many
+    constraint: Constraint | None = None  # structured output: the grammar the tokens must follow
+    speculation: Speculation | None = None  # who drafts tokens, how many
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits before sampling (OpenAI's)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

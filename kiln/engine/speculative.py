@@ -39,9 +39,9 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from kiln.engine.generate import common_prefix
+from kiln.engine.kv import common_prefix
 from kiln.engine.sampler import apply_penalties, candidates, filtered_probs
-from kiln.errors import KilnError, RequestError
+from kiln.errors import Field, KilnError, RequestError
 
 MODES = ("none", "lookup", "model")
 MAX_DRAFT = 32  # a pass over more rows costs more than the tokens it can save on a CPU
@@ -64,11 +64,11 @@ class SpecOptions:
         mode, max_, ngram = (changes.get(k) if changes.get(k) is not None else getattr(self, k)
                              for k in ("mode", "max", "ngram"))
         if mode not in MODES:
-            raise RequestError(f"{names[0]} must be one of {', '.join(MODES)}, got {mode!r}", names[0])
+            raise RequestError((Field(names[0]), f" must be one of {', '.join(MODES)}, got {mode!r}"), names[0])
         if isinstance(max_, bool) or not isinstance(max_, int) or not 1 <= max_ <= MAX_DRAFT:
-            raise RequestError(f"{names[1]} must be an integer from 1 to {MAX_DRAFT}, got {max_!r}", names[1])
+            raise RequestError((Field(names[1]), f" must be an integer from 1 to {MAX_DRAFT}, got {max_!r}"), names[1])
         if isinstance(ngram, bool) or not isinstance(ngram, int) or not 1 <= ngram <= MAX_NGRAM:
-            raise RequestError(f"{names[2]} must be an integer from 1 to {MAX_NGRAM}, got {ngram!r}", names[2])
+            raise RequestError((Field(names[2]), f" must be an integer from 1 to {MAX_NGRAM}, got {ngram!r}"), names[2])
         return SpecOptions(mode, max_, ngram)
 
 
@@ -79,7 +79,7 @@ class Speculation:
     adapts: it doubles after a fully accepted draft, up to `max_draft`, and drops to one more than was
     accepted after a rejection. Long drafts while the output copies its context, short ones otherwise."""
 
-    drafter: object  # LookupDrafter or ModelDrafter
+    drafter: LookupDrafter | ModelDrafter
     max_draft: int
     length: int = 0  # tokens to draft next pass; 0: start at max_draft
 
@@ -98,7 +98,7 @@ def speculation(options: SpecOptions, drafter: "ModelDrafter | None", param: str
     if options.mode == "lookup":
         return Speculation(LookupDrafter(options.ngram), options.max)
     if drafter is None:
-        raise RequestError(f"{param} 'model' needs a draft model, and none is loaded (give --draft-model)", param)
+        raise RequestError((Field(param), " 'model' needs a draft model, and none is loaded (give --draft-model)"), param)
     return Speculation(drafter, options.max)
 
 
@@ -124,11 +124,6 @@ def draft_limit(seq) -> int:
     if spec is None or seq.adjusts_logits:
         return 0
     return max(0, min(spec.length, seq.max_tokens - len(seq.output_ids) - 1))
-
-
-def pass_room(engine) -> int:
-    """The most draft tokens one pass of `engine` can verify (every row of it returns logits)."""
-    return min(getattr(engine, "max_out", MAX_DRAFT + 1), getattr(engine, "prefill_rows", MAX_DRAFT + 1)) - 1
 
 
 def propose(jobs: list[tuple[object, int]]) -> list[Draft]:
@@ -309,8 +304,7 @@ class ModelDrafter:
     def _step(self, tokens, slots, positions, out_rows) -> np.ndarray:
         """engine.step over any number of rows, in pieces the engine's plans can take."""
         e = self.engine
-        most = getattr(e, "prefill_rows", len(tokens))
-        most_out = getattr(e, "max_out", most)
+        most, most_out = e.limits.rows, e.limits.out_rows
         pieces, start, done = [], 0, 0  # done: out rows already handed to a piece
         while start < len(tokens):
             end = min(start + most, len(tokens))

@@ -117,7 +117,7 @@ def _oracle(model):
 
 
 def _model_sha256(model) -> str:
-    from kiln.store import sha256_file
+    from kiln.store.fetch import sha256_file
 
     return model.sha256 or sha256_file(model.path)
 
@@ -135,7 +135,7 @@ def _command(args) -> str:
 
 
 def _finish(args, kind: str, payload: dict, text: str, model_sha256: str) -> None:
-    from kiln.bench import history
+    from kiln import history
 
     history.record(kind, payload, model_sha256=model_sha256, command=_command(args))
     sys.stdout.write(json.dumps(payload, indent=1) + "\n" if args.json else text)

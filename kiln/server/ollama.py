@@ -1,4 +1,4 @@
-"""Ollama's API (/api): chat, generate and model management, translated to and from `runtime.Job`.
+"""Ollama's API (/api): chat, generate and model management, translated to and from `generation.Job`.
 
 Streaming is newline-delimited JSON, on by default as in Ollama. Final objects carry Ollama's durations
 in nanoseconds plus kiln's `timings` (queue wait, TTFT, cached prompt tokens, prefill and decode tok/s,
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -25,9 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
-from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, describe_os_error, without_paths
+from kiln.engine.request import ANY_JSON, GenerationRequest
+from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, describe_os_error, fields_named, without_paths
 from kiln.server.openai import Tool
-from kiln.server.runtime import DEFAULT, Delta, Final, Job, Runtime, parse_keep_alive
+from kiln.server.embeddings import embed_inputs, unit_vectors
+from kiln.server.generation import Delta, Final, Job, start
+from kiln.server.runtime import DEFAULT, Runtime, parse_keep_alive
 
 router = APIRouter(prefix="/api", tags=["Ollama"])
 log = logging.getLogger("kiln.server")
@@ -38,6 +40,9 @@ _ERRORS = {400: {"description": "Invalid request: {\"error\": message}"}, 401: {
 _HARDWARE_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "use_mmap",
                      "use_mlock", "num_keep", "f16_kv", "vocab_only", "logits_all", "embedding_only"}
 _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
+# kiln's request fields, as Ollama names them
+FIELDS = {"max_tokens": "options.num_predict", "speculative.mode": "options.draft",
+          "speculative.max": "options.draft_max", "speculative.ngram": "options.draft_ngram"}
 
 
 # --- request models --------------------------------------------------------------------------------
@@ -95,7 +100,8 @@ class _Generation(_Model):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def job_fields(self) -> dict:
+    def request_fields(self) -> dict:
+        """The kiln request fields both generating endpoints share."""
         if self.think:
             raise RequestError("think: kiln's models do not think (no reasoning models yet)", "think")
         o = self.options or Options()
@@ -105,16 +111,13 @@ class _Generation(_Model):
         sampling = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                "repeat_last_n", "presence_penalty", "frequency_penalty")}
         sampling["seed"] = o.seed if o.seed is not None and o.seed >= 0 else None
-        return {"api": "ollama", "model": self.model, "sampling": sampling,
+        return {"sampling": sampling,
                 "max_tokens": o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
-                "max_tokens_param": "options.num_predict",
                 "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
-                "keep_alive": _keep_alive(self.keep_alive),
-                "json": bool(self.format), "schema": self.format if isinstance(self.format, dict) else None,
-                "format_param": "format", "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "format": (self.format if isinstance(self.format, dict) else ANY_JSON) if self.format else None,
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
                 "speculative": {k: v for k, v in (("mode", o.draft), ("max", o.draft_max), ("ngram", o.draft_ngram))
-                                if v is not None},
-                "speculative_params": ("options.draft", "options.draft_max", "options.draft_ngram")}
+                                if v is not None}}
 
 
 class ChatRequest(_Generation):
@@ -190,13 +193,15 @@ class PullRequest(ModelRequest):
 # --- endpoints -----------------------------------------------------------------------------------------
 @router.post("/chat", responses=_ERRORS, summary="Chat (NDJSON stream unless stream is false)")
 async def chat(body: ChatRequest, request: Request):
-    fields = body.job_fields()
+    fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.messages:
-        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"],
+        return await _load_or_unload(_runtime(request), body.model, keep_alive,
                                      {"message": {"role": "assistant", "content": ""}})
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
-    job = Job(**fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None)
-    generation = await _runtime(request).start(job)
+    job = Job("ollama", body.model, GenerationRequest(
+        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive)
+    with fields_named(FIELDS):
+        generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_chat_lines(generation.events(request), tag))
@@ -214,11 +219,13 @@ async def generate(body: GenerateRequest, request: Request):
     for name in ("images", "template", "suffix"):
         if getattr(body, name):
             raise RequestError(f"{name} is not supported by kiln's /api/generate", name)
-    fields = body.job_fields()
+    fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.prompt and not body.context:
-        return await _load_or_unload(_runtime(request), body.model, fields["keep_alive"], {"response": ""})
-    job = Job(**fields, prompt=body.prompt, system=body.system, raw=body.raw, context=body.context, prompt_param="prompt")
-    generation = await _runtime(request).start(job)
+        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""})
+    job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
+                                                      context=body.context), keep_alive)
+    with fields_named(FIELDS):
+        generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
     if body.stream:
         return _ndjson(_generate_lines(generation.events(request), tag))
@@ -230,13 +237,11 @@ async def generate(body: GenerateRequest, request: Request):
 
 @router.post("/embed", responses=_ERRORS, summary="Embeddings: each input's last final hidden state, normalized")
 async def embed(body: EmbedRequest, request: Request):
-    from kiln.server.runtime import unit_vectors
-
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await _runtime(request).embed("ollama", body.model, inputs, keep_alive, "input", http_request=request)
+    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", http_request=request)
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -250,7 +255,7 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     if not body.prompt:
         await runtime.preload(body.model, keep_alive)
         return {"embedding": []}
-    result = await runtime.embed("ollama", body.model, [body.prompt], keep_alive, "prompt", http_request=request)
+    result = await embed_inputs(runtime, "ollama", body.model, [body.prompt], keep_alive, "prompt", http_request=request)
     return {"embedding": result.vectors[0].astype(float).tolist()}
 
 
@@ -358,7 +363,7 @@ async def copy(body: CopyRequest, request: Request):
 
 @router.post("/show", responses=_ERRORS, summary="A model's details, template, parameters and metadata")
 async def show(body: ModelRequest, request: Request):
-    from kiln.commands.models import describe, modelfile_of
+    from kiln.modelinfo import describe, modelfile_of
     from kiln.modelfile import parameter_items
 
     record = await _runtime(request).resolve(body.tag())
@@ -544,18 +549,31 @@ async def _generate_lines(events, tag: str):
             yield {**_head(tag), "response": "", **_done(event), "context": event.seq.all_ids}
 
 
+class _PullWatch:
+    """The pull's progress as the store reports it (on the pull's thread), read by the stream every half
+    second: the bytes of the stage in progress (the download, then the extraction)."""
+
+    def __init__(self):
+        self.completed = 0
+
+    def update(self, stage: str, completed: int, total: int | None) -> None:
+        self.completed = completed
+
+    def note(self, message: str) -> None:
+        log.warning("%s", message)
+
+
 async def _pull_lines(runtime: Runtime, tag: str):
-    """Ollama's progress lines. Bytes are read off the pull's staging folder (the store's documented
-    tmp/<pid>-*/ layout), since the store reports progress only to a terminal."""
+    """Ollama's progress lines."""
     yield {"status": "pulling manifest"}
     try:
         async with runtime.pull_lock:
             entry = next((e for e in runtime.store.available() if e.tag == tag), None)
-            task = asyncio.ensure_future(asyncio.to_thread(runtime.store.pull, tag, False))
-            staging = runtime.store.home / "tmp"
+            watch = _PullWatch()
+            task = asyncio.ensure_future(asyncio.to_thread(runtime.store.pull, tag, False, report=watch))
             while not task.done():
                 await asyncio.wait({task}, timeout=0.5)
-                completed = _staged_bytes(staging)
+                completed = watch.completed
                 if completed and entry is not None:
                     yield {"status": f"pulling {entry.sha256[:12]}", "digest": f"sha256:{entry.sha256}",
                            "total": entry.size, "completed": min(completed, entry.size)}
@@ -568,16 +586,3 @@ async def _pull_lines(runtime: Runtime, tag: str):
     yield {"status": f"pulled {record.tag}", "digest": f"sha256:{record.sha256}", "total": record.size,
            "completed": record.size}
     yield {"status": "success"}
-
-
-def _staged_bytes(staging) -> int:
-    """The largest file this process is staging: the download, then the extracted model."""
-    largest = 0
-    for folder in staging.glob(f"{os.getpid()}-*"):
-        for root, _, files in os.walk(folder):
-            for name in files:
-                try:
-                    largest = max(largest, os.path.getsize(os.path.join(root, name)))
-                except OSError:  # renamed into the store meanwhile
-                    pass
-    return largest

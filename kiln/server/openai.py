@@ -1,4 +1,5 @@
-"""OpenAI's API (/v1): chat completions, completions and models, translated to and from `runtime.Job`.
+"""OpenAI's API (/v1): chat completions, completions and models, translated to and from `generation.Job`
+(kiln's request fields keep OpenAI's names, but for `format`: response_format).
 
 Beyond OpenAI's fields every response carries kiln's timings: `usage.prompt_tokens_details.cached_tokens`
 and a `timings` object with llama-server's names (`cache_n`, `prompt_n`, `prompt_per_second`,
@@ -24,10 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
-from kiln.errors import KilnError, ModelNotFoundError, RequestError
-from kiln.server.runtime import Delta, Final, Job, Runtime
+from kiln.engine.request import ANY_JSON, GenerationRequest
+from kiln.errors import KilnError, ModelNotFoundError, RequestError, fields_named
+from kiln.server.embeddings import embed_inputs, unit_vectors
+from kiln.server.generation import Delta, Final, Job, start
+from kiln.server.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
+FIELDS = {"format": "response_format"}  # kiln's request fields that OpenAI names otherwise
 
 _ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `param`)"},
            401: {"description": "Missing or wrong API key"},
@@ -127,7 +132,8 @@ class _Sampling(_Model):
     speculative: Speculative | None = Field(None, description="kiln extension: speculative decoding; omitted "
                                                               "fields take the server's defaults")
 
-    def job_fields(self) -> dict:
+    def request_fields(self) -> dict:
+        """The kiln request fields every endpoint shares."""
         if self.n != 1:
             raise RequestError(f"n must be 1: kiln generates one choice per request (got {self.n})", "n")
         sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty",
@@ -141,8 +147,7 @@ class _Sampling(_Model):
                 raise RequestError(f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {value}",
                                    "logit_bias")
             bias[int(key)] = value
-        return {"api": "openai", "model": self.model, "sampling": sampling, "stop": stop, "speculative": speculative,
-                "logit_bias": bias or None}
+        return {"sampling": sampling, "stop": stop, "speculative": speculative, "logit_bias": bias or None}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -175,16 +180,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
         raise RequestError("response_format.json_schema is required when the type is json_schema",
                            "response_format.json_schema")
-    job = Job(**body.job_fields(), messages=messages,
-              max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-              max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-              tools=[t.model_dump() for t in body.tools] if body.tools else None,
-              tool_choice=_tool_choice(body.tool_choice),
-              json=fmt is not None and fmt.type != "text",
-              schema=fmt.json_schema.json_schema if fmt is not None and fmt.json_schema else None,
-              format_param="response_format")
-    generation = await _runtime(request).start(job)
+    completion = body.max_completion_tokens is not None
+    job = Job("openai", body.model, GenerationRequest(
+        **body.request_fields(), messages=messages,
+        max_tokens=body.max_completion_tokens if completion else body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        tools=[t.model_dump() for t in body.tools] if body.tools else None,
+        tool_choice=_tool_choice(body.tool_choice),
+        format=None if fmt is None or fmt.type == "text" else
+        fmt.json_schema.json_schema if fmt.json_schema and fmt.json_schema.json_schema is not None else ANY_JSON))
+    names = {**FIELDS, "max_tokens": "max_completion_tokens"} if completion else FIELDS
+    with fields_named(names):
+        generation = await start(_runtime(request), job)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
             "system_fingerprint": _fingerprint()}
     if body.stream:
@@ -196,7 +203,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if final.tool_calls:
         message["tool_calls"] = [_tool_call(c) for c in final.tool_calls]
     choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
-              "logprobs": {"content": [_chat_logprob(r) for r in logprobs]} if job.logprobs is not None else None}
+              "logprobs": {"content": [_chat_logprob(r) for r in logprobs]} if job.request.logprobs is not None else None}
     if final.tool_error:
         choice["tool_call_error"] = final.tool_error
     return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage(final), "timings": timings(final)}
@@ -207,19 +214,20 @@ async def completions(body: CompletionRequest, request: Request):
     if body.suffix:
         raise RequestError("suffix is not supported: kiln has no fill-in-the-middle models", "suffix")
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-    job = Job(**body.job_fields(), prompt=prompt, raw=True, max_tokens=body.max_tokens, logprobs=body.logprobs,
-              prompt_param="prompt")
-    generation = await _runtime(request).start(job)
+    job = Job("openai", body.model, GenerationRequest(**body.request_fields(), prompt=prompt, raw=True,
+                                                      max_tokens=body.max_tokens, logprobs=body.logprobs))
+    with fields_named(FIELDS):
+        generation = await start(_runtime(request), job)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
             "system_fingerprint": _fingerprint()}
     echo = generation.seq.tokenizer.decode(generation.seq.prompt_ids) if body.echo else ""
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return _sse(_completion_chunks(generation.events(request), meta, include_usage, echo, job.logprobs is not None))
+        return _sse(_completion_chunks(generation.events(request), meta, include_usage, echo, job.request.logprobs is not None))
     logprobs, final = await generation.collect(request)
     _raise_engine_error(final)
     choice = {"index": 0, "text": echo + final.text, "finish_reason": final.finish_reason,
-              "logprobs": _completion_logprobs(logprobs, len(echo)) if job.logprobs is not None else None}
+              "logprobs": _completion_logprobs(logprobs, len(echo)) if job.request.logprobs is not None else None}
     return {**meta, "object": "text_completion", "choices": [choice], "usage": usage(final), "timings": timings(final)}
 
 
@@ -235,13 +243,11 @@ class EmbeddingRequest(_Model):
 async def embeddings(body: EmbeddingRequest, request: Request):
     import base64
 
-    from kiln.server.runtime import unit_vectors
-
     raw = body.input
     inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not inputs:
         raise RequestError("input is empty", "input")
-    result = await _runtime(request).embed("openai", body.model, inputs, param="input", http_request=request)
+    result = await embed_inputs(_runtime(request), "openai", body.model, inputs, param="input", http_request=request)
     data = []
     for i, v in enumerate(unit_vectors(result.vectors, body.dimensions)):
         vector = base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64" else v.tolist()

@@ -14,11 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.errors import RequestError
+from kiln.engine.request import ANY_JSON, GenerationRequest
+from kiln.errors import RequestError, fields_named
 from kiln.server.openai import _ERRORS, _raise_engine_error, _runtime, timings
-from kiln.server.runtime import Delta, Final, Job
+from kiln.server.generation import Delta, Final, Job, start
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "format": "text.format"}  # kiln's fields, as named here
 
 
 class _Model(BaseModel):
@@ -124,19 +126,19 @@ def _job(body: ResponseRequest) -> Job:
     choice = body.tool_choice
     tools = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
              for t in body.tools or []]
-    return Job(api="openai", model=body.model, messages=_messages(body),
-               sampling={"temperature": body.temperature, "top_p": body.top_p},
-               max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens", tools=tools or None,
-               tool_choice={"type": "function", "function": {"name": choice.name}} if isinstance(choice, NamedFunction)
-               else choice or "auto",
-               json=fmt is not None and fmt.type != "text", schema=fmt.json_schema if fmt else None,
-               format_param="text.format", prompt_param="input")
+    return Job("openai", body.model, GenerationRequest(
+        messages=_messages(body), sampling={"temperature": body.temperature, "top_p": body.top_p},
+        max_tokens=body.max_output_tokens, tools=tools or None,
+        tool_choice={"type": "function", "function": {"name": choice.name}} if isinstance(choice, NamedFunction)
+        else choice or "auto",
+        format=None if fmt is None or fmt.type == "text" else ANY_JSON if fmt.json_schema is None else fmt.json_schema))
 
 
 @router.post("/responses", responses=_ERRORS, summary="A model response (typed SSE events when stream is true)")
 async def responses(body: ResponseRequest, request: Request):
     job = _job(body)
-    generation = await _runtime(request).start(job)
+    with fields_named(FIELDS):
+        generation = await start(_runtime(request), job)
     shell = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
              "model": generation.loaded.tag, "instructions": body.instructions,
              "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": True,

@@ -1,9 +1,5 @@
-"""The one generation path behind both APIs, and the loaded model's lifecycle.
-
-`Runtime.start(job)` resolves and (re)loads the model, renders and tokenizes the prompt, builds the
-sequence and submits it to the scheduler; anything wrong with the request raises there, before a response
-starts. The returned `Generation` yields `Delta`s as the engine thread releases text, then one `Final`.
-`Runtime.embed` runs texts as prompts through the same scheduler and returns their final hidden states.
+"""The loaded model's lifecycle, which both APIs share: resolving a name, loading, swapping, keeping
+alive and unloading. generation.py runs generation requests on it, embeddings.py embedding requests.
 
 One model is loaded at a time. A request for another waits for the running requests to finish, then the
 models are swapped (as Ollama does). An idle model is unloaded when its keep-alive runs out.
@@ -17,18 +13,17 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from functools import partial
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kiln.chat import ChatTemplateError, warm as warm_renderer
-from kiln.engine.scheduler import Embedded, Finished, QueueFullError, Request, Scheduler, Token
-from kiln.engine.sequence import Sequence, plan_budget
+from kiln.chat import warm as warm_renderer
+from kiln.engine.scheduler import QueueFullError, Scheduler
 from kiln.engine.speculative import ModelDrafter, SpecOptions
-from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError, without_paths
-from kiln.server import tools as toolcalls
+from kiln.errors import ModelNotFoundError, RequestError
 from kiln.server.metrics import Metrics
-from kiln.server.tools import ToolCall, ToolCallParser
+
+if TYPE_CHECKING:
+    from kiln.engine.model import Model
+    from kiln.store import ModelRecord
 
 log = logging.getLogger("kiln.server")
 
@@ -49,62 +44,11 @@ class Settings:
     draft_model: str | None = None  # loaded beside every model, to draft for it (mode "model")
 
 
-@dataclass
-class Job:
-    """A generation request in kiln's terms; openai.py and ollama.py translate into this."""
-
-    api: str  # "openai" or "ollama", for metrics
-    model: str
-    messages: list[dict] | None = None  # a chat; otherwise `prompt`
-    prompt: str | list[int] | None = None
-    system: str | None = None  # Ollama's generate: rendered with the chat template around `prompt`
-    raw: bool = True  # send `prompt` as is, without the chat template
-    context: list[int] | None = None  # Ollama's generate: token ids of an earlier exchange to continue
-    tools: list[dict] | None = None
-    tool_choice: str | dict = "auto"
-    sampling: dict = field(default_factory=dict)  # SamplingParams overrides
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
-    schema: dict | None = None  # with `json`: the JSON schema the output must match (None: any object)
-    json: bool = False
-    keep_alive: float | None | str = DEFAULT  # seconds; None: forever
-    speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
-    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
-    # which request fields these are, for error messages
-    prompt_param: str = "messages"
-    max_tokens_param: str = "max_tokens"
-    format_param: str = "response_format"
-    speculative_params: tuple[str, str, str] = ("speculative.mode", "speculative.max", "speculative.ngram")
-
-
-@dataclass
-class Delta:
-    text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Final:
-    model: str
-    seq: Sequence
-    finish_reason: str  # stop, length, tool_calls, invalid_tool_call, cancelled, error
-    text: str  # all content released (tool-call text excluded)
-    tool_calls: list[ToolCall]
-    tool_error: str | None
-    error: str | None  # the engine failed this request
-
-    @property
-    def timings(self):
-        return self.seq.timings
-
-
 @dataclass(eq=False)
 class Loaded:
-    model: object  # kiln.engine.model.Model
+    model: Model
     scheduler: Scheduler
-    record: object  # kiln.store.ModelRecord
+    record: ModelRecord
     expires_at: float | None = None  # wall clock; None while busy or when kept forever
     active: int = 0
     drafter: ModelDrafter | None = None  # the server's --draft-model, loaded for this model
@@ -127,7 +71,7 @@ class Runtime:
         self._switch = asyncio.Lock()  # one load, unload or swap at a time
         self._idle = asyncio.Condition()  # notified when a request releases its model
         self._expiry = asyncio.Event()  # wakes the reaper early (keep_alive 0)
-        self.pull_lock = asyncio.Lock()  # one pull at a time: progress is read off the store's staging folder
+        self.pull_lock = asyncio.Lock()  # one pull at a time, as Ollama runs them
 
     # --- models ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -148,6 +92,7 @@ class Runtime:
 
         if len(name) > MAX_TAG_CHARS:
             raise RequestError(f"model: a name of {len(name)} characters is too long (at most {MAX_TAG_CHARS})", "model")
+
         if self.loaded is not None and name == self.loaded.tag and not self.loaded.stale:
             return self.loaded.record
         if not name.strip():
@@ -276,139 +221,6 @@ class Runtime:
             loaded.drafter.model.close()
         log.info("unloaded %s", loaded.tag)
 
-    # --- generation --------------------------------------------------------------------------------------
-    async def start(self, job: Job) -> Generation:
-        t0 = time.perf_counter()
-        loaded = await self.acquire(job.model)
-        try:
-            load_ms = (time.perf_counter() - t0) * 1e3
-            seq, parser = await asyncio.to_thread(prepare, loaded.model, job, loaded.drafter,
-                                                  self.settings.speculative)
-            seq.timings.load_ms = load_ms
-            generation = Generation(self, loaded, job, seq, parser)
-            loaded.scheduler.submit(generation.request)
-        except BaseException as e:
-            self.metrics.rejected.labels(type(e).__name__).inc()
-            await self.release(loaded, job.keep_alive)
-            if isinstance(e, ChatTemplateError):  # the file's own name is the blob's; the client knows the tag
-                raise ChatTemplateError(f"{loaded.tag}: {e}") from None
-            if isinstance(e, ContextLengthError) and getattr(e, "param", None) is None:
-                e.param = job.prompt_param
-            raise
-        return generation
-
-    async def embed(self, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input",
-                    http_request=None) -> Embeddings:
-        """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
-        the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
-        time as there are KV slots, so a long list never fills the request queue. When the client of
-        `http_request` disconnects, what is left is cancelled."""
-        from kiln.engine.sampler import SamplingParams
-
-        t0 = time.perf_counter()
-        loaded = await self.acquire(model)
-        loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
-        gone = asyncio.ensure_future(until_disconnect(http_request)) if http_request is not None else None
-        try:
-            load_ms = (time.perf_counter() - t0) * 1e3
-            ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param)
-            window = loaded.scheduler.n_slots
-            for first in range(0, len(ids), window):
-                requests, futures = [], []
-                for tokens in ids[first : first + window]:
-                    futures.append(loop.create_future())
-                    seq = Sequence(tokens, SamplingParams(), loaded.model.tokenizer, 1)
-                    requests.append(Request(seq, partial(_embedding_sink, loop, futures[-1]), embed=True))
-                    loaded.scheduler.submit(requests[-1])
-                batch = asyncio.gather(*futures)
-                if gone is not None:
-                    await asyncio.wait({batch, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    if gone.done():
-                        batch.cancel()
-                        raise KilnError("the client disconnected before its embeddings were computed")
-                vectors += await batch
-        except BaseException as e:
-            self.metrics.rejected.labels(type(e).__name__).inc()
-            raise
-        finally:
-            if gone is not None:
-                gone.cancel()
-            for req, future in zip(requests, futures):  # a client gone, or a sibling input rejected: free their slots
-                future.cancel()
-                loaded.scheduler.cancel(req)
-            await self.release(loaded, keep_alive)
-        self.metrics.embedding_inputs.labels(api).inc(len(ids))
-        self.metrics.prompt_tokens.inc(sum(map(len, ids)))
-        return Embeddings(loaded.tag, vectors, sum(map(len, ids)), load_ms, (time.perf_counter() - t0) * 1e3)
-
-
-async def until_disconnect(http_request) -> None:
-    """Returns when the client disconnects. The body is read by now, so the next ASGI message that
-    arrives is the disconnect (or the one sent once the response is complete)."""
-    while (await http_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _embedding_sink(loop, future, event) -> None:  # on the engine thread
-    def deliver():
-        if future.done():
-            return
-        if isinstance(event, Embedded):
-            future.set_result(event.vector)
-        elif isinstance(event, Finished):
-            future.set_exception(KilnError(event.error or "the embedding request was cancelled"))
-
-    try:
-        loop.call_soon_threadsafe(deliver)
-    except RuntimeError:  # the event loop has closed: the server is shutting down
-        pass
-
-
-@dataclass
-class Embeddings:
-    tag: str
-    vectors: list[np.ndarray]  # one per input: its last token's final hidden state, not normalized
-    prompt_tokens: int
-    load_ms: float
-    total_ms: float
-
-
-def unit_vectors(vectors: list[np.ndarray], dimensions: int | None, param: str = "dimensions") -> list[np.ndarray]:
-    """Embeddings as both APIs return them: length 1, each first cut to its first `dimensions` values when
-    asked (as OpenAI's `dimensions` does)."""
-    if dimensions is not None and vectors and dimensions > vectors[0].size:
-        raise RequestError(f"{param} is {dimensions} but the model's embeddings have {vectors[0].size}", param)
-    out = []
-    for v in vectors:
-        v = v[:dimensions].astype(np.float32)
-        norm = float(np.linalg.norm(v))
-        out.append(v / norm if norm > 0 else v)
-    return out
-
-
-def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
-    """Token ids of each input (text, or ids already), checked: none empty, none longer than the context."""
-    tok, n_ctx = model.tokenizer, model.n_ctx
-    out = []
-    for i, item in enumerate(inputs):
-        where = f"{param}[{i}]" if len(inputs) > 1 else param
-        try:
-            ids = (_token_ids(item, tok.vocab_size, where) if isinstance(item, list)
-                   else tok.encode(item, max_tokens=n_ctx))
-        except ContextLengthError as e:
-            e.param = where
-            raise
-        if not ids:
-            raise RequestError(f"{where} is empty", where)
-        if len(ids) > n_ctx:
-            error = ContextLengthError(f"{where} is {len(ids)} tokens but the context holds {n_ctx}; "
-                                       "kiln does not truncate inputs")
-            error.param = where
-            raise error
-        out.append(ids)
-    return out
-
-
 def load_drafter(ref: str, target, settings: Settings, store) -> ModelDrafter:
     """The draft model `ref`, loaded with the target's context and slots, checked against its vocabulary."""
     from kiln.engine.model import load
@@ -420,169 +232,6 @@ def load_drafter(ref: str, target, settings: Settings, store) -> ModelDrafter:
     except BaseException:
         draft.close()
         raise
-
-
-def prepare(model, job: Job, drafter: ModelDrafter | None = None,
-            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, ToolCallParser | None]:
-    """Prompt token ids, sampling, budget, constraints and speculation for `job`: everything checked
-    before it queues. `speculative` is the server's default, which the job's options override."""
-    from kiln.engine.grammar import Constraint, json_grammar
-    from kiln.engine.sampler import SamplingParams
-    from kiln.engine.speculative import speculation
-
-    tok = model.tokenizer
-    use_tools = bool(job.tools) and job.tool_choice != "none"
-    toolcalls.check_tool_choice(job.tools, job.tool_choice)
-    if job.messages is not None:
-        chat = job.messages
-        if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
-            chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
-        messages, template_tools = toolcalls.render_messages(chat, job.tools if use_tools else None,
-                                                             tok.chat_template, job.tool_choice)
-        n = model.n_ctx  # a prompt longer than the context is refused before its tokens are counted out
-        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools, max_tokens=n), max_tokens=n)
-    elif isinstance(job.prompt, list):
-        ids = _token_ids(job.prompt, tok.vocab_size, job.prompt_param)
-    elif job.raw:
-        ids = tok.encode(job.prompt, add_bos=None if not job.context else False, max_tokens=model.n_ctx)
-    else:
-        system = job.system or model.system
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": job.prompt}]
-        ids = tok.encode(tok.apply_chat_template(messages, max_tokens=model.n_ctx),
-                         add_bos=None if not job.context else False, max_tokens=model.n_ctx)
-    if job.context:
-        ids = _token_ids(job.context, tok.vocab_size, "context") + ids
-    if not ids:
-        raise RequestError(f"{job.prompt_param} is empty", job.prompt_param)
-    try:
-        budget = plan_budget(len(ids), job.max_tokens, model.n_ctx)
-    except ContextLengthError as e:
-        error = ContextLengthError(f"{job.prompt_param}: {e}".replace("max_tokens", job.max_tokens_param))
-        error.param = job.max_tokens_param if len(ids) < model.n_ctx else job.prompt_param
-        raise error from None
-    params = SamplingParams().replace(**model.defaults).replace(**job.sampling)
-    constraint = None
-    if use_tools and job.tool_choice != "auto":
-        constraint = Constraint(tok, toolcalls.forced_call_grammar(job.tools, job.tool_choice), "tool_choice")
-    elif job.json:
-        constraint = Constraint(tok, json_grammar(job.schema, job.format_param), job.format_param)
-    options = speculative.replace(job.speculative_params, **job.speculative)
-    stop = [s for s in job.stop if s] or list(model.stop)
-    bad = next((t for t in job.logit_bias or {} if not 0 <= t < tok.vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary (0..{tok.vocab_size - 1})",
-                           "logit_bias")
-    seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=tok.stop_ids,
-                   logprobs=job.logprobs, constraint=constraint, logit_bias=job.logit_bias,
-                   speculation=speculation(options, drafter, job.speculative_params[0]))
-    return seq, ToolCallParser(toolcalls.tool_names(job.tools)) if use_tools else None
-
-
-def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"{param} has token id {bad}, outside the vocabulary (0..{vocab_size - 1})", param)
-    return list(ids)
-
-
-class Generation:
-    """One request in flight: engine events in, `Delta`s and a `Final` out. Accounting (metrics, releasing
-    the model) happens when the engine retires the request, whether or not anyone still reads the events."""
-
-    def __init__(self, runtime: Runtime, loaded: Loaded, job: Job, seq: Sequence, parser: ToolCallParser | None):
-        self.runtime, self.loaded, self.job, self.seq, self.parser = runtime, loaded, job, seq, parser
-        self.request = Request(seq, self._sink)
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._done = False
-        self._text: list[str] = []
-        self._calls: list[ToolCall] = []
-
-    def _sink(self, event: Token | Finished) -> None:  # on the engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the event loop has closed: the server is shutting down
-            pass
-
-    def _deliver(self, event: Token | Finished) -> None:
-        self._events.put_nowait(event)
-        if isinstance(event, Finished):
-            self._done = True
-            self._loop.create_task(self._account())
-
-    def cancel(self) -> None:
-        if not self._done:
-            self.loaded.scheduler.cancel(self.request)
-
-    async def watch(self, http_request) -> None:
-        """Cancel when the client disconnects."""
-        await until_disconnect(http_request)
-        self.cancel()
-
-    async def events(self, http_request=None):
-        """Deltas as text is released, then the Final. Leaving early (the client is gone) cancels."""
-        watcher = asyncio.create_task(self.watch(http_request)) if http_request is not None else None
-        try:
-            while True:
-                event = await self._events.get()
-                if isinstance(event, Token):
-                    delta = self._delta(self.parser.feed(event.text) if self.parser else [event.text])
-                    if event.logprob is not None:
-                        delta.logprobs.append(event.logprob)
-                    if delta.text or delta.tool_calls or delta.logprobs:
-                        yield delta
-                    continue
-                if self.parser is not None:
-                    delta = self._delta(self.parser.close())
-                    if delta.text or delta.tool_calls:
-                        yield delta
-                yield self._final(event)
-                return
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            self.cancel()
-
-    async def collect(self, http_request=None) -> tuple[list[dict], Final]:
-        """The whole answer: the logprob records, and the Final with the text and tool calls."""
-        logprobs: list[dict] = []
-        async for event in self.events(http_request):
-            if isinstance(event, Final):
-                final = event
-            else:
-                logprobs += event.logprobs
-        return logprobs, final
-
-    def _delta(self, items: list) -> Delta:
-        delta = Delta()
-        for item in items:
-            if isinstance(item, ToolCall):
-                delta.tool_calls.append(item)
-            else:
-                delta.text += item
-        self._text.append(delta.text)
-        self._calls += delta.tool_calls
-        return delta
-
-    def _final(self, event: Finished) -> Final:
-        errors = self.parser.errors if self.parser else []
-        reason = self.seq.finish_reason
-        if event.error:
-            reason = "error"
-        elif reason != "cancelled" and self._calls:
-            reason = "tool_calls"
-        elif reason == "stop" and errors:
-            reason = "invalid_tool_call"
-        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), self._calls,
-                     "; ".join(errors) or None, event.error and without_paths(event.error))  # it goes to the client
-
-    async def _account(self) -> None:
-        t = self.seq.timings
-        self.runtime.metrics.observe(self.job.api, self.seq.finish_reason, t)
-        await self.runtime.release(self.loaded, self.job.keep_alive)
-        log.info("%s %s: %d prompt tokens (%d cached), %d generated; queue %.0f ms, TTFT %.0f ms, "
-                 "decode %.1f tok/s; %s", self.job.api, self.loaded.tag, t.prompt_tokens, t.cached_tokens,
-                 t.completion_tokens, t.queue_ms, t.ttft_ms, t.decode_tps, self.seq.finish_reason)
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")

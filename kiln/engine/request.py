@@ -1,0 +1,134 @@
+"""The front door: a generation request in kiln's own terms, and the one function that turns it into a
+`Sequence` the scheduler runs.
+
+Every caller says what it wants in a `GenerationRequest`: both server APIs (openai.py, responses.py,
+ollama.py), `kiln run`, the benchmarks and the tracer. `prepare` renders the chat template, encodes,
+plans the budget, merges the sampling defaults, builds the grammar and the speculation, and checks
+everything before anything is queued. Its errors name the request's fields by the names below
+(`RequestError.param`); an API whose fields are named otherwise renames them at its edge
+(kiln.errors.fields_named).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kiln import tools as toolcalls
+from kiln.engine.sequence import Sequence, plan_budget
+from kiln.engine.speculative import SpecOptions, speculation
+from kiln.errors import ContextLengthError, Field, RequestError
+from kiln.sampling import SamplingParams
+from kiln.tools import ToolCallParser
+
+if TYPE_CHECKING:
+    from kiln.engine.model import Model
+    from kiln.engine.speculative import ModelDrafter
+
+ANY_JSON = "json"  # `format` asking for any JSON object
+SPECULATIVE = ("speculative.mode", "speculative.max", "speculative.ngram")  # the fields SpecOptions checks
+
+
+@dataclass
+class GenerationRequest:
+    messages: list[dict] | None = None  # a chat; otherwise `prompt`
+    prompt: str | list[int] | None = None  # text, or token ids already
+    system: str | None = None  # with a text prompt and raw False: the system message around it
+    raw: bool = True  # send a text `prompt` as is, without the chat template
+    context: list[int] | None = None  # token ids of an earlier exchange that the prompt continues
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "auto"
+    sampling: dict = field(default_factory=dict)  # SamplingParams overrides (None: keep the model's default)
+    max_tokens: int | None = None  # None: until the context is full
+    stop: list[str] = field(default_factory=list)  # empty: the model's own stop strings
+    ignore_eos: bool = False  # no stop tokens or strings: generate exactly max_tokens (benchmarks)
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    format: str | dict | None = None  # ANY_JSON, or a JSON schema the output must match
+    speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
+    embed: bool = False  # the prompt's final hidden state is wanted, not tokens
+
+
+def sampling_params(model: Model, overrides: dict) -> SamplingParams:
+    """kiln's defaults, then the model's (the catalog's, then a created model's), then the request's."""
+    return SamplingParams().replace(**model.defaults).replace(**overrides)
+
+
+def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | None = None,
+            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, ToolCallParser | None]:
+    """The request's sequence (prompt ids, sampling, budget, stops, grammar, speculation), and the parser
+    of its tool calls when it offers tools. `speculative` is the caller's default, which the request's
+    own options override; `drafter` the loaded draft model, if any."""
+    from kiln.engine.grammar import Constraint, json_grammar
+
+    tok = model.tokenizer
+    use_tools = bool(request.tools) and request.tool_choice != "none"
+    toolcalls.check_tool_choice(request.tools, request.tool_choice)
+    prompt_field = "messages" if request.messages is not None else "prompt"
+    try:
+        ids = _prompt_ids(model, request, use_tools)
+    except ContextLengthError as e:  # refused on its length, before all of it was encoded
+        raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
+    if not ids:
+        raise RequestError((Field(prompt_field), " is empty"), prompt_field)
+    if request.embed:
+        budget = 1
+    else:
+        try:
+            budget = plan_budget(len(ids), request.max_tokens, model.n_ctx)
+        except ContextLengthError as e:
+            raise ContextLengthError((Field(prompt_field), ": ", *e.parts),
+                                     "max_tokens" if len(ids) < model.n_ctx else prompt_field) from None
+    params = sampling_params(model, request.sampling)
+    constraint = None
+    if use_tools and request.tool_choice != "auto":
+        constraint = Constraint(tok, toolcalls.forced_call_grammar(request.tools, request.tool_choice), "tool_choice")
+    elif request.format is not None:
+        schema = None if request.format == ANY_JSON else request.format
+        constraint = Constraint(tok, json_grammar(schema, "format"), "format")
+    options = speculative.replace(SPECULATIVE, **request.speculative)
+    bad = next((t for t in request.logit_bias or {} if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary (0..{tok.vocab_size - 1})",
+                           "logit_bias")
+    if request.ignore_eos:
+        stop, stop_ids = [], frozenset()
+    else:
+        stop, stop_ids = [s for s in request.stop if s] or list(model.stop), tok.stop_ids
+    seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
+                   logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
+                   speculation=speculation(options, drafter, SPECULATIVE[0]))
+    return seq, ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
+
+
+def _prompt_ids(model: Model, request: GenerationRequest, use_tools: bool) -> list[int]:
+    tok = model.tokenizer
+    if request.messages is not None:
+        chat = request.messages
+        if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
+            chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
+        messages, template_tools = toolcalls.render_messages(chat, request.tools if use_tools else None,
+                                                             tok.chat_template, request.tool_choice)
+        n = model.n_ctx  # a prompt longer than the context is refused before its tokens are counted out
+        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools, max_tokens=n), max_tokens=n)
+    elif isinstance(request.prompt, list):
+        ids = token_ids(request.prompt, tok.vocab_size, "prompt")
+    elif request.raw:
+        ids = tok.encode(request.prompt, add_bos=None if not request.context else False, max_tokens=model.n_ctx)
+    else:
+        system = request.system or model.system
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": request.prompt}]
+        ids = tok.encode(tok.apply_chat_template(messages, max_tokens=model.n_ctx),
+                         add_bos=None if not request.context else False, max_tokens=model.n_ctx)
+    if request.context:
+        ids = token_ids(request.context, tok.vocab_size, "context") + ids
+    return ids
+
+
+def token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    """`ids` checked against the vocabulary; errors name the field `param`."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError((Field(param), f" has token id {bad}, outside the vocabulary (0..{vocab_size - 1})"),
+                           param)
+    return list(ids)
