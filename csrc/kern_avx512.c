@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "act.h"
 #include "kernels.h"
 
 #define ALWAYS static inline __attribute__((always_inline))

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "act.h"
 #include "kernels.h"
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }

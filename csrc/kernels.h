@@ -116,10 +116,7 @@ int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *l
    is not one. */
 int kiln_unpack_split_row(const kiln_wmat *hi, const kiln_wmat *lo, int row, uint8_t *dst, uint8_t *work);
 
-/* ---- Activations and matmul (dispatch in cpu.c) ---- */
-int kiln_act_kind(kiln_wfmt fmt);
-size_t kiln_act_stride(kiln_wfmt fmt, int cols); /* bytes per token */
-size_t kiln_act_size(kiln_wfmt fmt, int cols, int n_tok);
+/* ---- Activations and matmul (dispatch in cpu.c; the activation layouts are act.h's) ---- */
 void kiln_quantize_act(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
 /* A precise pair for one token of an integer format: `first` = x quantized (as kiln_quantize_act), and
    `second` = the residual x - value(first) quantized, with value = (float)q * d rounded, then subtracted

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "act.h"
 #include "attn.h"
 #include "dequant.h"
 #include "vecmath.h"

@@ -1,6 +1,7 @@
 /* Python bindings of the kernel interface: plain ints and buffers, checked so that a wrong size
    raises instead of reading or writing out of bounds. kiln/native/kernels.py wraps them for numpy. */
 #include "bindings.h"
+#include "act.h"
 #include "kernels.h"
 
 static int get_buf(PyObject *o, Py_buffer *v, int writable, Py_ssize_t need, const char *what) {
