@@ -108,7 +108,7 @@ int kiln_pack(int ggml_type, const uint8_t *src, int rows, int cols, uint8_t *ds
    -1 for a bad row. Lets a table the output head shares be looked up without a second copy. */
 int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst);
 
-/* A Q8_0 matrix split in two (the output head, see plan.c): each weight q = 8*(q >> 3) + (q & 7), its top
+/* A Q8_0 matrix split in two (the output head, see op_logits.c): each weight q = 8*(q >> 3) + (q & 7), its top
    5 bits a Q5_0 block with scale 8d (`hi`, 22 bytes a block) and its low 3 bits a Q4_0 block with scale d
    (`lo`, 18 bytes, stored as (q & 7) + 8). Both are GGUF bytes, for kiln_pack. -1 if some 8d overflows fp16. */
 int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *lo);

@@ -360,7 +360,7 @@ int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst) {
     return 0;
 }
 
-/* ---- A split int8 matrix (the output head; plan.c says why) ---------------------------------------- */
+/* ---- A split int8 matrix (the output head; op_logits.c says why) ---------------------------------------- */
 
 /* fp16 bits of 8 times fp16 `h` (exact: only the exponent moves), or -1 when that overflows. */
 static int f16_times8(uint16_t h) {

@@ -66,6 +66,7 @@ class Table:
     offset: int
     ggml_type: int
     row_bytes: int
+    rows: int
 
 
 def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
@@ -93,7 +94,7 @@ class PackedWeights:
     The arena is written to `cache_dir` once, so later loads are one sequential read."""
 
     def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None, split: set[str] = frozenset()):
-        """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/plan.c)."""
+        """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/op_logits.c)."""
         self.gguf = gguf
         self.vectors: dict[str, np.ndarray] = {}
         self.tables: dict[str, Table] = {}
@@ -198,7 +199,7 @@ class PackedWeights:
         return self.mats[name]
 
     def remainder(self, name: str):
-        """A split head's low bits (csrc/plan.c), or None for a matrix packed whole."""
+        """A split head's low bits (csrc/op_logits.c), or None for a matrix packed whole."""
         return self.remainders.get(name)
 
     def has_matrix(self, name: str) -> bool:
@@ -223,7 +224,7 @@ class PackedWeights:
         if name not in self.tables:
             t = self.gguf.info(name)
             ggml_type, row_bytes = self.row_format(name)
-            self.tables[name] = Table(self.gguf.fileno(), t.offset, ggml_type, row_bytes)
+            self.tables[name] = Table(self.gguf.fileno(), t.offset, ggml_type, row_bytes, t.shape[0])
             warm_page_cache(self.gguf.fileno(), t.offset, t.nbytes)
         return self.tables[name]
 
@@ -316,7 +317,9 @@ class StepStats:
 class NativePlan:
     """One compiled plan with an arena of activations and per-row inputs: its own, or `arena` when that is
     large enough (plans that never run at once share one). Buffers are reused once dead, unless `keep_all`
-    (for reading every layer's output afterwards)."""
+    (for reading every layer's output afterwards). C sizes each op's scratch, and checks every address an
+    op holds against the buffers named in `buffers` (csrc/plan_check.c); `guard` puts guard words around
+    each op's scratch, and a step that writes past them fails."""
 
     def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False,
                  arena=None):
@@ -338,16 +341,32 @@ class NativePlan:
         self.hidden = whole[low.hidden.offset : low.hidden.offset + low.hidden.nbytes].view(np.float32).reshape(-1, dim)
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
-        self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
-                                 e.ropes, low), rows, e.kv_ctx, e.n_slots, low.scratch_floats,
-                                 *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
+        self.encoded = encode_ops(_native, low.ops, base)
+        self.buffers = plan_buffers(e, self.arena)
+        self.plan = _native.Plan(self.encoded, e.pool, self.buffers, rows, out_rows, e.kv_ctx, e.n_slots,
+                                 *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")),
+                                 guard=e.guard)
+
+
+def plan_buffers(engine: "NativeEngine", activations) -> dict:
+    """Every buffer and matrix a plan's ops point into, by name: what C holds each op's addresses against."""
+    w = engine.weights
+    buffers = {"activations": activations, "kv cache": engine.kv_arena, "weights": w.arena}
+    buffers.update(w.mats)
+    buffers.update({f"{name} (low bits)": m for name, m in w.remainders.items()})
+    buffers.update(w.vectors)
+    for i, (cos, sin) in enumerate(engine.ropes.values()):
+        buffers[f"rope {i} cos"], buffers[f"rope {i} sin"] = cos, sin
+    return buffers
 
 
 class NativeEngine:
     name = "native"
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
-                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16):
+                 cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
+                 guard: bool = False):
+        """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests."""
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
@@ -369,6 +388,7 @@ class NativeEngine:
         self.max_batch, self.prefill_rows = max_batch, max(prefill_rows, max_batch + 1)
         self.max_out = min(max_out, self.prefill_rows)
         self.negate_layer: int | None = None
+        self.guard = guard or os.environ.get("KILN_GUARD") == "1"
         self._root = root
         self._compile()
         self.stats = StepStats()

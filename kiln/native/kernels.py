@@ -111,7 +111,7 @@ def unpack_row(w: PackedMatrix, ggml_type: int, row: int) -> np.ndarray:
 
 def split_q8_0(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A Q8_0 tensor's GGUF bytes split into its top 5 bits (Q5_0, scale 8d) and low 3 bits (Q4_0), each
-    (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/plan.c)."""
+    (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/op_logits.c)."""
     halves = _native.split_q8_0(np.ascontiguousarray(raw))
     return None if halves is None else tuple(np.frombuffer(h, np.uint8).reshape(rows, -1) for h in halves)
 
