@@ -86,6 +86,34 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     return Py_BuildValue("iin", (int)w.fmt, w.rows_padded, (Py_ssize_t)w.tile_bytes);
 }
 
+/* kernel_formats() -> ({name: kiln_wfmt}, {name: activation kind}): Python's Format and ActKind enums,
+ * named as kernels.h names them (less the prefix), so the two sides cannot drift apart. */
+#define NAMED(value, prefix) {#value + sizeof(prefix) - 1, value}
+typedef struct {
+    const char *name;
+    int value;
+} named;
+static const named KERNEL_FORMATS[] = {
+    NAMED(WF_F32, "WF_"), NAMED(WF_F16, "WF_"), NAMED(WF_BF16, "WF_"), NAMED(WF_Q4, "WF_"), NAMED(WF_Q4K, "WF_"),
+    NAMED(WF_Q5, "WF_"), NAMED(WF_Q5K, "WF_"), NAMED(WF_Q8, "WF_"), NAMED(WF_Q6K, "WF_"), NAMED(WF_Q4S, "WF_"),
+}, ACT_KINDS[] = {NAMED(KILN_ACT_F32, "KILN_ACT_"), NAMED(KILN_ACT_Q8, "KILN_ACT_")};
+_Static_assert(sizeof KERNEL_FORMATS / sizeof *KERNEL_FORMATS == WF_COUNT, "every kernel format is named");
+
+static PyObject *named_dict(const named *values, size_t n) {
+    PyObject *d = PyDict_New();
+    for (size_t i = 0; d && i < n; i++) {
+        PyObject *v = PyLong_FromLong(values[i].value);
+        if (!v || PyDict_SetItemString(d, values[i].name, v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+static PyObject *py_kernel_formats(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    return Py_BuildValue("(NN)", named_dict(KERNEL_FORMATS, WF_COUNT), named_dict(ACT_KINDS, 2));
+}
+
 static int fmt_arg(int fmt) {
     if (fmt < 0 || fmt >= WF_COUNT) {
         PyErr_Format(PyExc_ValueError, "unknown weight format %d", fmt);
@@ -343,6 +371,7 @@ PyMethodDef kernel_methods[] = {
     {"isa_missing", py_isa_missing, METH_VARARGS, "First CPU feature an ISA needs that is missing, or None."},
     {"isa_force", py_isa_force, METH_VARARGS, "Use this ISA from now on; RuntimeError if the CPU lacks it."},
     {"wfmt_for_ggml", py_wfmt_for_ggml, METH_VARARGS, "Kernel format of a GGML type, or -1."},
+    {"kernel_formats", py_kernel_formats, METH_NOARGS, "({format name: kiln_wfmt}, {activation kind name: value})."},
     {"pack_size", py_pack_size, METH_VARARGS, "Bytes kiln_pack writes (0: unsupported)."},
     {"pack", py_pack, METH_VARARGS, "pack(ggml_type, src, rows, cols, dst) -> (fmt, rows_padded, tile_bytes)."},
     {"act_kind", py_act_kind, METH_VARARGS, "Activation layout a format consumes."},
