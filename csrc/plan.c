@@ -43,6 +43,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
 /* ---- guarded scratch ---- */
 
 #define GUARD_WORD 0x7fa5a5a5u /* a NaN no arithmetic produces */
+#define GUARD_BYTE 0xa5
 
 static uint32_t *guard_at(const kiln_plan *p, int thread, int after) {
     float *s = p->scratch + (size_t)thread * p->scratch_stride;
@@ -57,8 +58,20 @@ void kiln_plan_guard_fill(kiln_plan *p) {
         }
 }
 
-/* After op i: whether some thread's scratch was written past either end; the first such thread is noted. */
+/* The gaps between activation buffers: written at each run, since a plan sharing the arena lays its
+ * own buffers over them. */
+static void fill_gaps(kiln_plan *p) {
+    for (int g = 0; g < p->n_gaps; g++) memset(p->gaps[g].data, GUARD_BYTE, p->gaps[g].nbytes);
+}
+
+/* After op i: whether some thread's scratch was written past either end, or some gap; the first is noted. */
 static int guard_broken(kiln_plan *p, int i) {
+    for (int g = 0; g < p->n_gaps; g++)
+        for (size_t k = 0; k < p->gaps[g].nbytes; k++)
+            if (p->gaps[g].data[k] != GUARD_BYTE) {
+                p->overrun_op = i, p->overrun_gap = g;
+                return 1;
+            }
     for (int t = 0; t < kiln_pool_threads(p->pool); t++)
         for (int side = 0; side < 2; side++) {
             const uint32_t *g = guard_at(p, t, side);
@@ -74,7 +87,8 @@ static int guard_broken(kiln_plan *p, int i) {
 int64_t kiln_plan_run(kiln_plan *p, int n_rows, int n_out) {
     int64_t wait_total = 0;
     p->error = 0;
-    p->overrun_op = -1;
+    p->overrun_op = p->overrun_gap = -1;
+    if (p->guard) fill_gaps(p);
     kiln_attention_blocks(p, n_rows);
     for (int i = 0; i < p->n_ops; i++) {
         if (!p->trace) {

@@ -98,6 +98,13 @@ typedef struct kiln_op {
 
 typedef struct kiln_plan kiln_plan;
 
+/* A buffer the plan was handed: what its ops may touch (plan_check.c). */
+typedef struct {
+    const char *name;
+    uint8_t *data;
+    size_t nbytes;
+} kiln_region;
+
 typedef struct {
     kiln_plan *plan;
     const kiln_op *op;
@@ -129,7 +136,10 @@ struct kiln_plan {
     float *scratch;
     size_t scratch_floats, scratch_stride, *op_scratch;
     int guard;
-    int overrun_op, overrun_thread, overrun_after; /* the op whose scratch guard broke in the last run */
+    kiln_region *gaps; /* guarded: the bytes past each activation buffer, which no op writes */
+    int n_gaps;
+    /* the op whose guard broke in the last run, and where: a thread's scratch (before or after it) or gap */
+    int overrun_op, overrun_thread, overrun_after, overrun_gap;
     /* tracing: per op, accumulated over runs */
     int trace;
     int64_t *op_ns, *op_wait_ns;
@@ -144,12 +154,6 @@ int kiln_qkv_chunks(int heads, int per);
 /* Floats of per-thread scratch `op` needs in a plan of `rows` rows, `out_rows` of them with logits. */
 size_t kiln_op_scratch(const kiln_op *op, int rows, int out_rows);
 
-/* A buffer the plan was handed: what its ops may touch (plan_check.c). */
-typedef struct {
-    const char *name;
-    const uint8_t *data;
-    size_t nbytes;
-} kiln_region;
 typedef struct kiln_bounds kiln_bounds;
 
 /* At plan build (max_rows, max_out, n_ctx, n_slots and the row inputs set): every byte each op will touch
@@ -161,7 +165,7 @@ int kiln_plan_check(kiln_plan *plan, const kiln_region *regions, int n_regions, 
 /* At each run: the row counts, and each row's token, slot, position and logits row in range. */
 int kiln_plan_check_step(const kiln_plan *plan, int n_rows, int n_out, char *err, size_t err_len);
 
-/* Guarded plans: write the guard words (once, after the scratch is allocated). */
+/* Guarded plans: write the scratch's guard words (once the scratch is allocated; runs write the gaps'). */
 void kiln_plan_guard_fill(kiln_plan *plan);
 
 /* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. A guarded plan stops

@@ -111,6 +111,7 @@ int kiln_plan_check(kiln_plan *p, const kiln_region *regions, int n_regions, con
     const int32_t *inputs[] = {p->tokens, p->slots, p->positions, p->row_sel};
     static const char *const input_names[] = {"tokens", "slots", "positions", "row_sel"};
     for (int i = 0; i < 4; i++) kiln_need(&b, input_names[i], inputs[i], sizeof(int32_t) * p->max_rows);
+    for (int g = 0; g < p->n_gaps; g++) kiln_need(&b, "a guard gap", p->gaps[g].data, p->gaps[g].nbytes);
     p->vocab = 0;
     for (int i = 0; i < p->n_ops && !b.failed; i++) {
         b.op = i;

@@ -279,6 +279,7 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.refine_chunks);
     PyMem_Free(p->plan.scratch);
     PyMem_Free(p->plan.op_scratch);
+    PyMem_Free(p->plan.gaps);
     PyMem_Free(p->plan.op_ns);
     PyMem_Free(p->plan.op_wait_ns);
     PyMem_Free(p->plan.op_t0_ns);
@@ -330,29 +331,47 @@ done:
     return rc;
 }
 
-/* Plan(ops, pool, buffers, rows, out_rows, n_ctx, n_slots, tokens, slots, positions, row_sel, guard=False):
- * `buffers` names every buffer and matrix the ops point into (checked here, and kept alive). Each op's
- * scratch is what its family asks for (kiln_op_scratch); guarded, each thread's scratch has guard words
- * either side and each op's region ends at them, so a run that writes past an op's region fails. */
+/* Plan(ops, pool, buffers, rows, out_rows, n_ctx, n_slots, tokens, slots, positions, row_sel, guard=False,
+ *      guard_gaps=b""): `buffers` names every buffer and matrix the ops point into (checked here, and kept
+ * alive). Each op's scratch is what its family asks for (kiln_op_scratch); guarded, each thread's scratch
+ * has guard words either side and each op's region ends at them, and guard_gaps (uint64 pairs: address,
+ * bytes) lists the bytes past each activation buffer, so a run that writes past either fails. */
 static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    Py_buffer ops;
+    Py_buffer ops, gaps = {0};
     PyObject *pool, *buffers;
     int rows, out_rows, n_ctx, n_slots, guard = 0;
     unsigned long long tokens, slots, positions, row_sel;
     static char *names[] = {"ops", "pool", "buffers", "rows", "out_rows", "n_ctx", "n_slots", "tokens", "slots",
-                            "positions", "row_sel", "guard", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*O!O!iiiiKKKK|p", names, &ops, &PoolType, &pool, &PyDict_Type,
+                            "positions", "row_sel", "guard", "guard_gaps", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*O!O!iiiiKKKK|py*", names, &ops, &PoolType, &pool, &PyDict_Type,
                                      &buffers, &rows, &out_rows, &n_ctx, &n_slots, &tokens, &slots, &positions,
-                                     &row_sel, &guard))
+                                     &row_sel, &guard, &gaps))
         return NULL;
-    if (ops.len % sizeof(kiln_op)) {
+    size_t n_gaps = gaps.buf ? (size_t)gaps.len / 16 : 0;
+    kiln_region *gap_list = PyMem_Calloc(n_gaps + 1, sizeof *gap_list);
+    for (size_t g = 0; gap_list && g < n_gaps; g++) {
+        uint64_t pair[2];
+        memcpy(pair, (const uint8_t *)gaps.buf + 16 * g, sizeof pair);
+        gap_list[g] = (kiln_region){"gap", (uint8_t *)(uintptr_t)pair[0], (size_t)pair[1]};
+    }
+    int bad_gaps = gaps.buf && (gaps.len % 16 || (n_gaps && !guard));
+    if (gaps.buf) PyBuffer_Release(&gaps);
+    if (!gap_list || bad_gaps || ops.len % sizeof(kiln_op)) {
+        PyMem_Free(gap_list);
         PyBuffer_Release(&ops);
+        if (!gap_list) return PyErr_NoMemory();
+        if (bad_gaps) return PyErr_Format(PyExc_ValueError, "guard_gaps: (address, bytes) pairs of a guarded plan");
         return PyErr_Format(PyExc_ValueError, "ops buffer of %zd bytes is not a whole number of %zu-byte ops", ops.len,
                             sizeof(kiln_op));
     }
     Plan *p = (Plan *)type->tp_alloc(type, 0);
-    if (!p) { PyBuffer_Release(&ops); return NULL; }
+    if (!p) {
+        PyMem_Free(gap_list);
+        PyBuffer_Release(&ops);
+        return NULL;
+    }
     kiln_plan *k = &p->plan;
+    k->gaps = gap_list, k->n_gaps = (int)n_gaps;
     k->n_ops = (int)(ops.len / sizeof(kiln_op));
     k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
     if (!k->ops) {
@@ -449,9 +468,14 @@ static PyObject *plan_run(Plan *p, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (k->overrun_op >= 0) {
         const kiln_op *op = &k->ops[k->overrun_op];
-        PyErr_Format(PyExc_RuntimeError, "plan op %d (%s, layer %d) wrote %s its %zu floats of scratch (thread %d)",
-                     k->overrun_op, kiln_op_name(op->kind), op->layer, k->overrun_after ? "past" : "before",
-                     k->op_scratch[k->overrun_op], k->overrun_thread);
+        if (k->overrun_gap >= 0)
+            PyErr_Format(PyExc_RuntimeError, "plan op %d (%s, layer %d) wrote past the end of an activation buffer, "
+                         "into the %zu guard bytes at %p", k->overrun_op, kiln_op_name(op->kind), op->layer,
+                         k->gaps[k->overrun_gap].nbytes, (void *)k->gaps[k->overrun_gap].data);
+        else
+            PyErr_Format(PyExc_RuntimeError, "plan op %d (%s, layer %d) wrote %s its %zu floats of scratch (thread %d)",
+                         k->overrun_op, kiln_op_name(op->kind), op->layer, k->overrun_after ? "past" : "before",
+                         k->op_scratch[k->overrun_op], k->overrun_thread);
         kiln_plan_guard_fill(k);
         return NULL;
     }

@@ -64,6 +64,32 @@ def test_undersized_scratch_is_caught(kind, tmp_path):
         engine(path).prefill_plan.plan.undersize_scratch(i, 1)
 
 
+def test_output_past_its_buffer_is_caught(tmp_path):
+    """An op whose output starts 4 bytes late still lies inside the activation arena, so the build's checks
+    pass it; a guarded plan's gaps after each buffer catch its last row's last value."""
+    import struct
+
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-llama", qtype=QT.Q8_0, seed=5)
+    e = engine(path, guard=True)
+    p = e.prefill_plan
+    i = next(n for n, op in enumerate(p.ops) if op["kind"] == _native.OP_MATMUL)
+    layout, size = _native.op_layout()
+    ops = bytearray(p.encoded)
+    at = i * size + layout["out"][0]
+    struct.pack_into("<Q", ops, at, struct.unpack_from("<Q", ops, at)[0] + 4)
+    inputs = [p.inputs[k].ctypes.data for k in ("tokens", "slots", "positions", "row_sel")]
+    shifted = _native.Plan(bytes(ops), e.pool, p.buffers, p.rows, p.out_rows, e.kv_ctx, e.n_slots, *inputs,
+                           guard=True, guard_gaps=p.guard_gaps)
+    p.inputs["tokens"][:] = 5
+    p.inputs["slots"][:] = 0
+    p.inputs["positions"][:] = range(p.rows)
+    p.inputs["row_sel"][:1] = 0
+    with pytest.raises(RuntimeError, match=rf"plan op {i} \(MATMUL, layer 0\) wrote past the end of an activation "
+                                           r"buffer"):
+        shifted.run(p.rows, 1)
+    p.plan.run(p.rows, 1)  # the same rows through the plan as built
+
+
 @pytest.fixture
 def built(tmp_path):
     path = write_random_gguf(tmp_path / "m.gguf", "tiny-llama", qtype=QT.Q8_0, seed=5)

@@ -318,9 +318,11 @@ class Lowering:
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 
 
-def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64) -> int:
-    """Give every Buf an arena offset; return the arena size. With `reuse`, a buffer's bytes go back
-    to a free list (by exact size) after the last op that touches it."""
+def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64,
+                   guard: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    """Give every Buf an arena offset; return the arena size and the (offset, bytes) past each buffer that
+    no op may write: its alignment padding and `guard` bytes more (a guarded plan's). With `reuse`, a
+    buffer's bytes go back to a free list (by exact size) after the last op that touches it."""
     first, last, order = {}, {}, []
     for i, op in enumerate(ops):
         for v in op.values():
@@ -333,7 +335,7 @@ def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 
         if id(b) not in first:
             order.append(b)
         first[id(b)], last[id(b)] = first.get(id(b), 0), len(ops)  # read by the caller after the run
-    size, free = 0, {}
+    size, free, gaps = 0, {}, set()
     releases: dict[int, list[Buf]] = {}
     for b in order:
         start = first[id(b)]
@@ -346,9 +348,10 @@ def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 
             b.offset = slot.pop()
         else:
             b.offset = size
-            size += -(-b.nbytes // align) * align
+            size += -(-(b.nbytes + guard) // align) * align
         releases.setdefault(last[id(b)], []).append(b)
-    return size
+        gaps.add((b.offset + b.nbytes, -(-(b.nbytes + guard) // align) * align - b.nbytes))
+    return size, sorted(g for g in gaps if g[1])
 
 
 def encode_ops(native, ops: list[dict], base: int) -> bytes:

@@ -34,6 +34,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
+GUARD_BYTES = 64  # a guarded plan's guard past each activation buffer
 CACHE_VERSION = 5  # bumped whenever a packed layout (or the cache's index) changes
 
 
@@ -318,8 +319,8 @@ class NativePlan:
     """One compiled plan with an arena of activations and per-row inputs: its own, or `arena` when that is
     large enough (plans that never run at once share one). Buffers are reused once dead, unless `keep_all`
     (for reading every layer's output afterwards). C sizes each op's scratch, and checks every address an
-    op holds against the buffers named in `buffers` (csrc/plan_check.c); `guard` puts guard words around
-    each op's scratch, and a step that writes past them fails."""
+    op holds against the buffers named in `buffers` (csrc/plan_check.c); a guarded engine's plans put guard
+    words around each op's scratch and after each activation buffer, and a step that writes past them fails."""
 
     def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False,
                  arena=None):
@@ -328,7 +329,8 @@ class NativePlan:
                        e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
-        size = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all)
+        size, gaps = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all,
+                                    guard=GUARD_BYTES if e.guard else 0)
         self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size, huge=False)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
@@ -343,9 +345,10 @@ class NativePlan:
                           for b in low.residuals]
         self.encoded = encode_ops(_native, low.ops, base)
         self.buffers = plan_buffers(e, self.arena)
+        self.guard_gaps = np.array([(base + o, n) for o, n in gaps] if e.guard else [], np.uint64).tobytes()
         self.plan = _native.Plan(self.encoded, e.pool, self.buffers, rows, out_rows, e.kv_ctx, e.n_slots,
                                  *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")),
-                                 guard=e.guard)
+                                 guard=e.guard, guard_gaps=self.guard_gaps)
 
 
 def plan_buffers(engine: "NativeEngine", activations) -> dict:
