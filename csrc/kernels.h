@@ -32,8 +32,8 @@
    Nibbles (4-bit fields): "slot" L (L = 0..3) is 4*nb bytes; its low nibbles are chunk L and its
    high nibbles chunk L+4. One 32-byte load gives two chunks with one shift; a 64-byte load (AVX-512)
    gives chunks L, L+1 (low) and L+4, L+5 (high), matching two consecutive activation chunks.
-   High bits (Q5, Q5K): 4*nb bytes; bit k of byte b is the 5th bit of byte b of chunk k.
-   Two high bits (Q6K): 2 x 32 bytes; in half h (chunks 4h..4h+3) bits 2m..2m+1 of byte b are the
+   High bits (Q5_0, Q5_K): 4*nb bytes; bit k of byte b is the 5th bit of byte b of chunk k.
+   Two high bits (Q6_K): 2 x 32 bytes; in half h (chunks 4h..4h+3) bits 2m..2m+1 of byte b are the
    high bits of byte b of chunk 4h+m.
 
    Per row, in a group of nb blocks (all d/m fp16, one per block, in block order):
@@ -44,7 +44,7 @@
    K-quants (cols % 256 == 0; a group is one super-block of 256):
      WF_Q4K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
                     w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
-     WF_Q5K (Q5_K)  H: as Q4K                               Q: nibbles 128, high 32   180 B/256
+     WF_Q5K (Q5_K)  H: as Q4_K                              Q: nibbles 128, high 32   180 B/256
      WF_Q6K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
                     w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
 
@@ -65,8 +65,8 @@
         4 lanes each), so one 32-byte load meets one nibble slot and short tails cost half a group.
         With nb = 2 (a shared tail) lanes 2..7 repeat lanes 0 and 1 (quants, d, s and sums alike): lane
         l holds block l%2, in the order of a full group.
-   Activation sums let affine and offset formats fold their minimum in once per block: Q4 adds
-   m * s, Q4S/Q5 subtract 8/16 * sum32 in the integer sum, Q6K subtracts 32 * sc . sum16.
+   Activation sums let affine and offset formats fold their minimum in once per block: Q4_1 adds
+   m * s, Q4_0/Q5_0 subtract 8/16 * sum32 in the integer sum, Q6_K subtracts 32 * sc . sum16.
 */
 #pragma once
 #include <stddef.h>
@@ -74,7 +74,7 @@
 #include <string.h>
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
-/* WF_Q4S is last so the other values keep the numbering the executor was written against. */
+/* Repack caches store these values: a new format takes the next one. */
 typedef enum { WF_F32, WF_F16, WF_BF16, WF_Q4, WF_Q4K, WF_Q5, WF_Q5K, WF_Q8, WF_Q6K, WF_Q4S, WF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
 typedef struct {
@@ -133,12 +133,12 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 
 /* ---- Internal: shared by the kernel files ---- */
 #define KILN_GROUP 256           /* weights per group / super-block */
-/* Bytes ahead of the group being computed that the SIMD kernels prefetch. The hardware prefetcher
-   alone left a streaming GEMV at ~80% of a plain read of the same memory on this class of machine;
-   1 KiB ahead closes most of that gap (docs/PERF.md, "Prefetch"). A hint: it never faults. */
+/* Bytes ahead of the group being computed that the SIMD kernels prefetch: the hardware prefetcher alone
+   leaves a streaming GEMV short of a plain read of the same memory (docs/PERF.md, "Prefetch"). A hint:
+   it never faults. */
 #define KILN_PREFETCH 1024
 /* A precise activation's pair of rows spends twice the arithmetic on each byte: the weights are then
-   fetched further ahead (a 2-thread C harness from DRAM: 14.3 -> 16.2 GB/s, medians of 6). */
+   fetched further ahead (docs/PERF.md, "Prefetch"). */
 #define KILN_PREFETCH_PAIR 4096
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */

@@ -91,7 +91,7 @@ static void put_high1(uint8_t *dst, int nb, const uint8_t *q) {
         for (int i = 0; i < 32; i++) dst[4 * j + (i & 3)] |= ((q[j * 32 + i] >> 4) & 1) << (i >> 2);
 }
 
-/* Bits 4-5 (Q6K, nb = 8): chunk k goes to half k/4, bits 2*(k%4). */
+/* Bits 4-5 (Q6_K, nb = 8): chunk k goes to half k/4, bits 2*(k%4). */
 static void put_high2(uint8_t *dst, const uint8_t *q) {
     memset(dst, 0, 64);
     for (int j = 0; j < 8; j++)

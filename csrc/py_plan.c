@@ -47,8 +47,9 @@ static PyObject *arena_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         Py_DECREF(a);
         return PyErr_Format(PyExc_MemoryError, "cannot map %zd bytes for a kiln arena", nbytes);
     }
-    /* Huge pages: +20-55% bandwidth where the kernel grants them, for what is streamed. Small pages for
-       what a step touches only in part (activations, logits rows), so the rest never becomes resident. */
+    /* Huge pages for what is streamed, where the kernel grants them (docs/PERF.md, "Figures that were
+       code comments"). Small pages for what a step touches only in part (activations, logits rows), so
+       the rest never becomes resident. */
     madvise(p, a->mapped, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
     a->data = p;
     return (PyObject *)a;
