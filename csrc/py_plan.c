@@ -390,9 +390,8 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->slots = (int32_t *)(uintptr_t)slots;
     k->positions = (int32_t *)(uintptr_t)positions;
     k->row_sel = (int32_t *)(uintptr_t)row_sel;
-    Py_INCREF(buffers);
-    p->keep = buffers;
-    if (check_plan(k, buffers) < 0) {
+    p->keep = PyDict_Copy(buffers); /* a copy: what the ops point into stays alive whatever the caller's dict does */
+    if (!p->keep || check_plan(k, p->keep) < 0) {
         Py_DECREF(p);
         return NULL;
     }
