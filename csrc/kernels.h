@@ -37,19 +37,19 @@
    high bits of byte b of chunk 4h+m.
 
    Per row, in a group of nb blocks (all d/m fp16, one per block, in block order):
-     WF_Q4S (Q4_0)  H: d[nb]            Q: nibbles 16nb            w = d*(q-8)        18 B/block
-     WF_Q4  (Q4_1)  H: d[nb] m[nb]      Q: nibbles 16nb            w = d*q + m        20 B/block
-     WF_Q5  (Q5_0)  H: d[nb]            Q: nibbles 16nb, high 4nb  w = d*(q-16)       22 B/block
-     WF_Q8  (Q8_0)  H: d[nb]            Q: int8 32nb (chunks)      w = d*q            34 B/block
+     KF_Q4_0 (Q4_0)  H: d[nb]            Q: nibbles 16nb            w = d*(q-8)        18 B/block
+     KF_Q4_1 (Q4_1)  H: d[nb] m[nb]      Q: nibbles 16nb            w = d*q + m        20 B/block
+     KF_Q5_0 (Q5_0)  H: d[nb]            Q: nibbles 16nb, high 4nb  w = d*(q-16)       22 B/block
+     KF_Q8_0 (Q8_0)  H: d[nb]            Q: int8 32nb (chunks)      w = d*q            34 B/block
    K-quants (cols % 256 == 0; a group is one super-block of 256):
-     WF_Q4K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
-                    w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
-     WF_Q5K (Q5_K)  H: as Q4_K                              Q: nibbles 128, high 32   180 B/256
-     WF_Q6K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
-                    w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
+     KF_Q4_K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
+                     w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
+     KF_Q5_K (Q5_K)  H: as Q4_K                              Q: nibbles 128, high 32   180 B/256
+     KF_Q6_K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
+                     w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
 
    ---- Float formats ---------------------------------------------------------------------------------
-   WF_F32 / WF_F16 / WF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
+   KF_F32 / KF_F16 / KF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
    columns, each chunk 4 rows x 16 values. Activations are fp32.
 
    ---- Activations ---------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
 /* Repack caches store these values: a new format takes the next one. */
-typedef enum { WF_F32, WF_F16, WF_BF16, WF_Q4, WF_Q4K, WF_Q5, WF_Q5K, WF_Q8, WF_Q6K, WF_Q4S, WF_COUNT } kiln_wfmt;
+typedef enum { KF_F32, KF_F16, KF_BF16, KF_Q4_1, KF_Q4_K, KF_Q5_0, KF_Q5_K, KF_Q8_0, KF_Q6_K, KF_Q4_0, KF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
 typedef struct {
     kiln_wfmt fmt;
@@ -147,8 +147,8 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 #define KILN_AG_SUM32 320
 #define KILN_AG_SUM16 352
 
-static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
-static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
+static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == KF_F32 || f == KF_F16 || f == KF_BF16; }
+static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == KF_F32 ? 4 : 2; } /* float formats */
 
 /* Blocks of 32 in group g of a row of `cols` (8, or fewer in a short last group). */
 static inline int kiln_group_blocks(int cols, int g) {
@@ -176,19 +176,19 @@ static inline void kiln_repeat_tail_lanes(uint8_t *ag) {
 /* Bytes per row of one group of nb blocks (K-quants: nb = 8), split into header and quants. */
 static inline int kiln_fmt_head_bytes(kiln_wfmt f, int nb) {
     switch (f) {
-    case WF_Q4: return 4 * nb;
-    case WF_Q4S: case WF_Q5: case WF_Q8: return 2 * nb;
-    case WF_Q4K: case WF_Q5K: return 20;
-    case WF_Q6K: return 18;
+    case KF_Q4_1: return 4 * nb;
+    case KF_Q4_0: case KF_Q5_0: case KF_Q8_0: return 2 * nb;
+    case KF_Q4_K: case KF_Q5_K: return 20;
+    case KF_Q6_K: return 18;
     default: return 0;
     }
 }
 static inline int kiln_fmt_quant_bytes(kiln_wfmt f, int nb) {
     switch (f) {
-    case WF_Q4: case WF_Q4S: case WF_Q4K: return 16 * nb;
-    case WF_Q5: case WF_Q5K: return 20 * nb;
-    case WF_Q8: return 32 * nb;
-    case WF_Q6K: return 24 * nb;
+    case KF_Q4_1: case KF_Q4_0: case KF_Q4_K: return 16 * nb;
+    case KF_Q5_0: case KF_Q5_K: return 20 * nb;
+    case KF_Q8_0: return 32 * nb;
+    case KF_Q6_K: return 24 * nb;
     default: return 0;
     }
 }

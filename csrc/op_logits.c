@@ -233,7 +233,7 @@ void kiln_logits_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need_wmat(b, "w", op->w, op->rows, op->cols);
     if (op->w2) kiln_need_wmat(b, "w2", op->w2, op->rows, op->cols);
     if (b->failed) return;
-    if (op->w_act != 0 || (op->w2 && (op->w->fmt != WF_Q5 || op->w2->fmt != WF_Q4S))) {
+    if (op->w_act != 0 || (op->w2 && (op->w->fmt != KF_Q5_0 || op->w2->fmt != KF_Q4_0))) {
         kiln_bounds_fail(b, "the head reads act[0]; a split head is a Q5_0 and a Q4_0 matrix");
         return;
     }

@@ -35,7 +35,7 @@ void kiln_embed_bounds(const kiln_op *op, kiln_bounds *b) {
     if (b->failed) return;
     if (op->table_w2) {
         kiln_need_wmat(b, "table_w2", op->table_w2, op->table_w->rows, op->cols);
-        if (op->table_type != GGML_Q8_0 || op->table_w->fmt != WF_Q5 || op->table_w2->fmt != WF_Q4S)
+        if (op->table_type != GGML_Q8_0 || op->table_w->fmt != KF_Q5_0 || op->table_w2->fmt != KF_Q4_0)
             kiln_bounds_fail(b, "a split table unpacks Q5_0 and Q4_0 halves to Q8_0 rows");
     } else if (kiln_wfmt_for_ggml(op->table_type) != (int)op->table_w->fmt) {
         kiln_bounds_fail(b, "table rows of GGML type %d do not unpack from kernel format %d", op->table_type,
@@ -142,7 +142,7 @@ void kiln_quant_bounds(const kiln_op *op, kiln_bounds *b) {
     }
     static const char *const names[MAX_ACTS] = {"act[0]", "act[1]", "act[2]"};
     for (int k = 0; k < op->n_act && !b->failed; k++) {
-        if ((unsigned)op->act_fmt[k] >= WF_COUNT) {
+        if ((unsigned)op->act_fmt[k] >= KF_COUNT) {
             kiln_bounds_fail(b, "act_fmt[%d] %d is not a kernel format", k, (int)op->act_fmt[k]);
             return;
         }

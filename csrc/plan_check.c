@@ -75,7 +75,7 @@ void kiln_need_act(kiln_bounds *b, int k, const kiln_wmat *w, int n_tok) {
         kiln_bounds_fail(b, "activation index %d of %d layouts", k, op->n_act);
         return;
     }
-    if ((unsigned)op->act_fmt[k] >= WF_COUNT || kiln_act_kind(op->act_fmt[k]) != kiln_act_kind(w->fmt)) {
+    if ((unsigned)op->act_fmt[k] >= KF_COUNT || kiln_act_kind(op->act_fmt[k]) != kiln_act_kind(w->fmt)) {
         kiln_bounds_fail(b, "act[%d] is laid out for format %d, its matrix takes format %d's", k, (int)op->act_fmt[k],
                          (int)w->fmt);
         return;

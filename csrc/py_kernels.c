@@ -94,10 +94,10 @@ typedef struct {
     int value;
 } named;
 static const named KERNEL_FORMATS[] = {
-    NAMED(WF_F32, "WF_"), NAMED(WF_F16, "WF_"), NAMED(WF_BF16, "WF_"), NAMED(WF_Q4, "WF_"), NAMED(WF_Q4K, "WF_"),
-    NAMED(WF_Q5, "WF_"), NAMED(WF_Q5K, "WF_"), NAMED(WF_Q8, "WF_"), NAMED(WF_Q6K, "WF_"), NAMED(WF_Q4S, "WF_"),
+    NAMED(KF_F32, "KF_"), NAMED(KF_F16, "KF_"), NAMED(KF_BF16, "KF_"), NAMED(KF_Q4_1, "KF_"), NAMED(KF_Q4_K, "KF_"),
+    NAMED(KF_Q5_0, "KF_"), NAMED(KF_Q5_K, "KF_"), NAMED(KF_Q8_0, "KF_"), NAMED(KF_Q6_K, "KF_"), NAMED(KF_Q4_0, "KF_"),
 }, ACT_KINDS[] = {NAMED(KILN_ACT_F32, "KILN_ACT_"), NAMED(KILN_ACT_Q8, "KILN_ACT_")};
-_Static_assert(sizeof KERNEL_FORMATS / sizeof *KERNEL_FORMATS == WF_COUNT, "every kernel format is named");
+_Static_assert(sizeof KERNEL_FORMATS / sizeof *KERNEL_FORMATS == KF_COUNT, "every kernel format is named");
 
 static PyObject *named_dict(const named *values, size_t n) {
     PyObject *d = PyDict_New();
@@ -111,11 +111,11 @@ static PyObject *named_dict(const named *values, size_t n) {
 
 static PyObject *py_kernel_formats(PyObject *self, PyObject *noargs) {
     (void)self, (void)noargs;
-    return Py_BuildValue("(NN)", named_dict(KERNEL_FORMATS, WF_COUNT), named_dict(ACT_KINDS, 2));
+    return Py_BuildValue("(NN)", named_dict(KERNEL_FORMATS, KF_COUNT), named_dict(ACT_KINDS, 2));
 }
 
 static int fmt_arg(int fmt) {
-    if (fmt < 0 || fmt >= WF_COUNT) {
+    if (fmt < 0 || fmt >= KF_COUNT) {
         PyErr_Format(PyExc_ValueError, "unknown weight format %d", fmt);
         return -1;
     }
@@ -248,8 +248,8 @@ static PyObject *py_unpack_split_row(PyObject *self, PyObject *args) {
     PyObject *ho, *lo_o, *oo;
     if (!PyArg_ParseTuple(args, "iinOnOiO", &rows, &cols, &hi_tb, &ho, &lo_tb, &lo_o, &row, &oo)) return NULL;
     int tiles = (rows + 3) / 4;
-    if (rows <= 0 || cols <= 0 || cols % 32 || (size_t)hi_tb != kiln_tile_bytes(WF_Q5, cols) ||
-        (size_t)lo_tb != kiln_tile_bytes(WF_Q4S, cols))
+    if (rows <= 0 || cols <= 0 || cols % 32 || (size_t)hi_tb != kiln_tile_bytes(KF_Q5_0, cols) ||
+        (size_t)lo_tb != kiln_tile_bytes(KF_Q4_0, cols))
         return PyErr_Format(PyExc_ValueError, "bad split matrix: %d x %d, tile_bytes %zd and %zd", rows, cols, hi_tb, lo_tb);
     if (row < 0 || row >= rows) return PyErr_Format(PyExc_IndexError, "row %d of a matrix of %d rows", row, rows);
     Py_buffer hb, lb, ob;
@@ -263,7 +263,7 @@ static PyObject *py_unpack_split_row(PyObject *self, PyObject *args) {
         PyBuffer_Release(&lb);
         return NULL;
     }
-    kiln_wmat hi = {WF_Q5, rows, cols, tiles * 4, (size_t)hi_tb, hb.buf}, lo = {WF_Q4S, rows, cols, tiles * 4, (size_t)lo_tb, lb.buf};
+    kiln_wmat hi = {KF_Q5_0, rows, cols, tiles * 4, (size_t)hi_tb, hb.buf}, lo = {KF_Q4_0, rows, cols, tiles * 4, (size_t)lo_tb, lb.buf};
     uint8_t *work = PyMem_RawMalloc((size_t)cols / 32 * 40);
     if (work) kiln_unpack_split_row(&hi, &lo, row, ob.buf, work);
     PyMem_RawFree(work);

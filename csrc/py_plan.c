@@ -182,7 +182,7 @@ static PyObject *py_wmat(PyObject *self, PyObject *args) {
     Arena *a = as_arena(arena_obj);
     if (!a) return NULL;
     size_t nbytes = (size_t)tile_bytes * (size_t)(rows_padded / 4);
-    if (fmt < 0 || fmt >= WF_COUNT || offset < 0 || (size_t)offset + nbytes > a->nbytes || rows_padded % 4)
+    if (fmt < 0 || fmt >= KF_COUNT || offset < 0 || (size_t)offset + nbytes > a->nbytes || rows_padded % 4)
         return PyErr_Format(PyExc_ValueError, "packed matrix (fmt %d, %d x %d) does not fit its arena", fmt, rows, cols);
     kiln_wmat m = {(kiln_wfmt)fmt, rows, cols, rows_padded, (size_t)tile_bytes, a->data + offset};
     return make_wmat(arena_obj, m);
