@@ -8,8 +8,8 @@ from setuptools import Extension, setup
 
 x86 = platform.machine().lower() in ("x86_64", "amd64")
 # Python's own CFLAGS carry -fwrapv (CPython relies on wrapping signed overflow; kiln's C does not, and a
-# UBSan build passes the kernel tests). It costs the kernels' address arithmetic: a 2-9% slower matmul in
-# a C harness (Q4_1, 8 tokens: 4.42 vs 4.89 ns per dot, medians of 8 alternating runs), so it is undone.
+# UBSan build passes the kernel tests). It costs the kernels' address arithmetic (docs/PERF.md, "Built
+# with -fno-wrapv"), so it is undone.
 native = Extension(
     "kiln._native",
     sources=sorted(glob("csrc/*.c")),

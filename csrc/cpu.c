@@ -1,4 +1,4 @@
-/* Instruction-set detection and forcing, kernel dispatch, activation sizes, huge-page buffers. */
+/* Instruction-set detection and forcing, kernel dispatch, huge-page buffers. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,15 +83,6 @@ int kiln_force_isa(kiln_isa isa) {
 }
 
 /* ---- activations ---- */
-
-int kiln_act_kind(kiln_wfmt f) { return kiln_fmt_is_float(f) ? KILN_ACT_F32 : KILN_ACT_Q8; }
-
-size_t kiln_act_stride(kiln_wfmt f, int cols) {
-    if (kiln_act_kind(f) == KILN_ACT_F32) return (size_t)(cols + KILN_FCHUNK - 1) / KILN_FCHUNK * KILN_FCHUNK * 4;
-    return (size_t)(cols + KILN_GROUP - 1) / KILN_GROUP * KILN_AG_BYTES;
-}
-
-size_t kiln_act_size(kiln_wfmt f, int cols, int n_tok) { return kiln_act_stride(f, cols) * n_tok; }
 
 void kiln_quantize_act(kiln_wfmt f, const float *x, int ldx, int cols, int n_tok, void *act) {
 #if KILN_X86

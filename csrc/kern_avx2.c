@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "act.h"
 #include "kernels.h"
 
 #define ALWAYS static inline __attribute__((always_inline))
@@ -35,7 +36,7 @@ ALWAYS __m256i ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *
 ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *p) {
     const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16), bits45 = _mm256_set1_epi8(0x30);
     int cs = 4 * nb;
-    if (f == WF_Q8) {
+    if (f == KF_Q8_0) {
         for (int k = 0; k < 8; k++) p->w[k] = ld(q + k * cs);
     } else
         for (int L = 0; L < 4; L++) {
@@ -43,7 +44,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
             p->w[L] = _mm256_and_si256(v, lo4);
             p->w[L + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
         }
-    if (f == WF_Q5 || f == WF_Q5K) { /* bit k of the high-bit byte -> bit 4 of chunk k */
+    if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> bit 4 of chunk k */
         __m256i hb = ld(q + 16 * nb);
         p->w[0] = _mm256_or_si256(p->w[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
         p->w[1] = _mm256_or_si256(p->w[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
@@ -54,7 +55,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         p->w[6] = _mm256_or_si256(p->w[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit4));
         p->w[7] = _mm256_or_si256(p->w[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit4));
     }
-    if (f == WF_Q6K) { /* bits 2m..2m+1 of half h -> bits 4-5 of chunk 4h+m */
+    if (f == KF_Q6_K) { /* bits 2m..2m+1 of half h -> bits 4-5 of chunk 4h+m */
         for (int hf = 0; hf < 2; hf++) {
             __m256i hb = ld(q + 128 + 32 * hf);
             __m256i *w = p->w + 4 * hf;
@@ -65,14 +66,14 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         }
     }
     switch (f) {
-    case WF_Q4K: case WF_Q5K: {
+    case KF_Q4_K: case KF_Q5_K: {
         __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4)));
         p->sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
         p->d = f16x1(h);
         p->m = _mm256_mul_ps(f16x1(h + 2), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
         break;
     }
-    case WF_Q6K: {
+    case KF_Q6_K: {
         const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
         const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
         p->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(h + 2)));
@@ -83,11 +84,11 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
     }
     default:
         p->d = f16x8(h);
-        if (f == WF_Q4) p->m = f16x8(h + 2 * nb);
+        if (f == KF_Q4_1) p->m = f16x8(h + 2 * nb);
         if (nb < 8) {
             __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
             p->d = _mm256_and_ps(p->d, mask);
-            if (f == WF_Q4) p->m = _mm256_and_ps(p->m, mask);
+            if (f == KF_Q4_1) p->m = _mm256_and_ps(p->m, mask);
         }
     }
 }
@@ -97,8 +98,8 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
 ALWAYS __m256 fstep(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256i i32, __m256 acc) {
     __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
-    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == KF_Q4_1) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == KF_Q4_K || f == KF_Q5_K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
     return acc;
 }
 
@@ -110,26 +111,26 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     __m256i sum32 = ld(ag + KILN_AG_SUM32);
 #define MUB(k) _mm256_maddubs_epi16(p->w[k], a[k])
     switch (f) {
-    case WF_Q8: { /* signed x signed: vpmaddubsw wants one unsigned side, so |w| meets x with w's sign */
+    case KF_Q8_0: { /* signed x signed: vpmaddubsw wants one unsigned side, so |w| meets x with w's sign */
         __m256i s[8];
         for (int k = 0; k < 8; k++) s[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p->w[k]), _mm256_sign_epi8(a[k], p->w[k])), ones);
         i32 = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])),
                                _mm256_add_epi32(_mm256_add_epi32(s[4], s[5]), _mm256_add_epi32(s[6], s[7])));
         break;
     }
-    case WF_Q4: case WF_Q4S: case WF_Q4K: { /* 4-bit: 8 pair sums of <= 2*15*127 fit in i16 */
+    case KF_Q4_1: case KF_Q4_0: case KF_Q4_K: { /* 4-bit: 8 pair sums of <= 2*15*127 fit in i16 */
         __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(MUB(0), MUB(1)), _mm256_add_epi16(MUB(2), MUB(3))),
                                      _mm256_add_epi16(_mm256_add_epi16(MUB(4), MUB(5)), _mm256_add_epi16(MUB(6), MUB(7))));
-        i32 = _mm256_madd_epi16(s, f == WF_Q4K ? p->sc : ones);
-        if (f == WF_Q4S) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+        i32 = _mm256_madd_epi16(s, f == KF_Q4_K ? p->sc : ones);
+        if (f == KF_Q4_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
         break;
     }
-    case WF_Q5: case WF_Q5K: { /* 5-bit: 4 pair sums per i16 */
+    case KF_Q5_0: case KF_Q5_K: { /* 5-bit: 4 pair sums per i16 */
         __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(MUB(0), MUB(1)), _mm256_add_epi16(MUB(2), MUB(3)));
         __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(MUB(4), MUB(5)), _mm256_add_epi16(MUB(6), MUB(7)));
-        __m256i sc = f == WF_Q5K ? p->sc : ones;
+        __m256i sc = f == KF_Q5_K ? p->sc : ones;
         i32 = _mm256_add_epi32(_mm256_madd_epi16(s0, sc), _mm256_madd_epi16(s1, sc));
-        if (f == WF_Q5) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+        if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
         break;
     }
     default: { /* Q6K, 6-bit: 2 pair sums per i16; chunks 0-3 are sub-block 2j, 4-7 sub-block 2j+1 */
@@ -151,13 +152,13 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
     const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
     int cs = 4 * nb;
     for (int L = 0; L < 4; L++) {
-        if (f == WF_Q8) {
+        if (f == KF_Q8_0) {
             p->w[L] = _mm256_loadu2_m128i((const __m128i *)(q + (L + 4) * cs), (const __m128i *)(q + L * cs));
             continue;
         }
         __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
         p->w[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
-        if (f == WF_Q5) { /* bit L -> bit 4 in the low half, bit L+4 -> bit 4 in the high half */
+        if (f == KF_Q5_0) { /* bit L -> bit 4 in the low half, bit L+4 -> bit 4 in the high half */
             __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
             hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
             hb = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, L, L, L, L));
@@ -166,13 +167,13 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
     }
     __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     p->d = _mm256_and_ps(f16x8(h), mask);
-    if (f == WF_Q4) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
+    if (f == KF_Q4_1) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
 }
 
 ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i i32, sum32 = ld(ag + KILN_AG_SUM32);
-    if (f == WF_Q8) {
+    if (f == KF_Q8_0) {
         __m256i s[4];
         for (int L = 0; L < 4; L++) {
             __m256i a = ld(ag + 32 * L);
@@ -185,8 +186,8 @@ ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         i32 = _mm256_madd_epi16(s, ones);
     }
     i32 = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
-    if (f == WF_Q4S) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
-    if (f == WF_Q5) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+    if (f == KF_Q4_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+    if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
     return fstep(f, p, ag, i32, acc);
 }
 
@@ -244,7 +245,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
         }
         return;
     }
-    if (nt && f != WF_Q4K && f != WF_Q5K && f != WF_Q6K) { /* short group: chunk stride 4*nt, paired if nt <= 4 */
+    if (nt && f != KF_Q4_K && f != KF_Q5_K && f != KF_Q6_K) { /* short group: chunk stride 4*nt, paired if nt <= 4 */
         const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
         int hb = kiln_fmt_head_bytes(f, nt), qb = kiln_fmt_quant_bytes(f, nt);
         for (int r = 0; r < 4; r++) {
@@ -264,8 +265,8 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
 
 /* Float formats: 16-column chunks as two 8-lane halves (lo, hi), as one 16-lane AVX-512 register. */
 ALWAYS __m256 fload(kiln_wfmt f, const uint8_t *p) {
-    if (f == WF_F32) return _mm256_loadu_ps((const float *)p);
-    if (f == WF_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (f == KF_F32) return _mm256_loadu_ps((const float *)p);
+    if (f == KF_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
@@ -352,16 +353,16 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
 
 void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
     switch (w->fmt) {
-    case WF_F32: run(WF_F32, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_F16: run(WF_F16, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_BF16: run(WF_BF16, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4: run(WF_Q4, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4S: run(WF_Q4S, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q5: run(WF_Q5, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q8: run(WF_Q8, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4K: run(WF_Q4K, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q5K: run(WF_Q5K, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q6K: run(WF_Q6K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_F32: run(KF_F32, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_F16: run(KF_F16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_BF16: run(KF_BF16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_1: run(KF_Q4_1, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_0: run(KF_Q4_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q5_0: run(KF_Q5_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q8_0: run(KF_Q8_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: break;
     }
 }

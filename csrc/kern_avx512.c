@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "act.h"
 #include "kernels.h"
 
 #define ALWAYS static inline __attribute__((always_inline))
@@ -39,7 +40,7 @@ ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(
 ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *p) {
     const __m512i lo4 = _mm512_set1_epi8(15);
     int cs = 4 * nb;
-    if (f == WF_Q8)
+    if (f == KF_Q8_0)
         for (int i = 0; i < 4; i++) p->w[i] = _mm512_xor_si512(pair(q, 2 * i, cs), _mm512_set1_epi8((char)0x80));
     else
         for (int i = 0; i < 2; i++) { /* slots 2i, 2i+1: low nibbles chunks 2i, 2i+1; high 2i+4, 2i+5 */
@@ -47,14 +48,14 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
             p->w[i] = _mm512_and_si512(v, lo4);
             p->w[i + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
-    if (f == WF_Q5 || f == WF_Q5K) { /* bit k of the high-bit byte -> +16 in chunk k */
+    if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> +16 in chunk k */
         __m512i hb = _mm512_broadcast_i64x4(ld256(q + 16 * nb));
         for (int i = 0; i < 4; i++) {
             __m512i sel = halves(_mm256_set1_epi8((char)(1 << 2 * i)), _mm256_set1_epi8((char)(1 << (2 * i + 1))));
             p->w[i] = _mm512_mask_add_epi8(p->w[i], _mm512_test_epi8_mask(hb, sel), p->w[i], _mm512_set1_epi8(16));
         }
     }
-    if (f == WF_Q6K) { /* half h, bits 2m..2m+1 -> bits 4-5 of chunk 4h+m */
+    if (f == KF_Q6_K) { /* half h, bits 2m..2m+1 -> bits 4-5 of chunk 4h+m */
         const __m512i bits45 = _mm512_set1_epi8(0x30);
         const __m512i up = halves(_mm256_set1_epi16(4), _mm256_set1_epi16(2)), down = halves(_mm256_set1_epi16(0), _mm256_set1_epi16(2));
         for (int hf = 0; hf < 2; hf++) {
@@ -64,12 +65,12 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         }
     }
     switch (f) {
-    case WF_Q4K: case WF_Q5K:
+    case KF_Q4_K: case KF_Q5_K:
         p->sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4)));
         p->d = f16x1(h);
         p->m = _mm256_mul_ps(f16x1(h + 2), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
         break;
-    case WF_Q6K:
+    case KF_Q6_K:
         p->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(h + 2)));
         p->sc = _mm256_srai_epi32(_mm256_slli_epi32(p->sc16, 16), 16);
         p->sc2 = _mm256_srai_epi32(p->sc16, 16);
@@ -77,11 +78,11 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         break;
     default:
         p->d = f16x8(h);
-        if (f == WF_Q4) p->m = f16x8(h + 2 * nb);
+        if (f == KF_Q4_1) p->m = f16x8(h + 2 * nb);
         if (nb < 8) {
             __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
             p->d = _mm256_and_ps(p->d, mask);
-            if (f == WF_Q4) p->m = _mm256_and_ps(p->m, mask);
+            if (f == KF_Q4_1) p->m = _mm256_and_ps(p->m, mask);
         }
     }
 }
@@ -89,17 +90,17 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
 ALWAYS __m256 fstep(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256i i32, __m256 acc) {
     __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
-    if (f == WF_Q4) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
-    if (f == WF_Q4K || f == WF_Q5K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == KF_Q4_1) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
+    if (f == KF_Q4_K || f == KF_Q5_K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
     return acc;
 }
 
 /* Offset corrections of the integer sum, from the activation block sums. */
 ALWAYS __m256i offset(kiln_wfmt f, __m256i i32, const uint8_t *ag) {
     __m256i sum32 = ld256(ag + KILN_AG_SUM32);
-    if (f == WF_Q4S) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
-    if (f == WF_Q5) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
-    if (f == WF_Q8) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+    if (f == KF_Q4_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
+    if (f == KF_Q5_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+    if (f == KF_Q8_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
     return i32;
 }
 
@@ -108,14 +109,14 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
     const __m256i lo4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
     int cs = 4 * nb;
     for (int L = 0; L < 4; L++) {
-        if (f == WF_Q8) {
+        if (f == KF_Q8_0) {
             p->h[L] = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(q + (L + 4) * cs), (const __m128i *)(q + L * cs)),
                                        _mm256_set1_epi8((char)0x80));
             continue;
         }
         __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
         p->h[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
-        if (f == WF_Q5) {
+        if (f == KF_Q5_0) {
             __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
             hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
             hb = _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, L, L, L, L));
@@ -124,7 +125,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
     }
     __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     p->d = _mm256_and_ps(f16x8(h), mask);
-    if (f == WF_Q4) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
+    if (f == KF_Q4_1) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
 }
 
 ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
@@ -138,7 +139,7 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     __m512i a[4];
     for (int i = 0; i < 4; i++) a[i] = ld512(ag + 64 * i);
     __m256i i32;
-    if (f == WF_Q6K) { /* chunks 0-3: sub-block 2j; chunks 4-7: sub-block 2j+1 */
+    if (f == KF_Q6_K) { /* chunks 0-3: sub-block 2j; chunks 4-7: sub-block 2j+1 */
         __m256i A = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]), p->w[1], a[1]));
         __m256i B = fold(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[2], a[2]), p->w[3], a[3]));
         i32 = _mm256_add_epi32(_mm256_mullo_epi32(A, p->sc), _mm256_mullo_epi32(B, p->sc2));
@@ -147,7 +148,7 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]);
         for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], a[i]);
         i32 = fold(s);
-        if (f == WF_Q4K || f == WF_Q5K) i32 = _mm256_mullo_epi32(i32, p->sc);
+        if (f == KF_Q4_K || f == KF_Q5_K) i32 = _mm256_mullo_epi32(i32, p->sc);
         i32 = offset(f, i32, ag);
     }
     return fstep(f, p, ag, i32, acc);
@@ -203,7 +204,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
         }
         return;
     }
-    if (nt && f != WF_Q4K && f != WF_Q5K && f != WF_Q6K) { /* short group, as in kern_avx2.c */
+    if (nt && f != KF_Q4_K && f != KF_Q5_K && f != KF_Q6_K) { /* short group, as in kern_avx2.c */
         const uint8_t *p = tile + G * GB, *ag = act + G * KILN_AG_BYTES;
         int hb = kiln_fmt_head_bytes(f, nt), qb = kiln_fmt_quant_bytes(f, nt);
         for (int r = 0; r < 4; r++) {
@@ -223,8 +224,8 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
 
 /* Float formats: one 16-lane accumulator per row and token (= the AVX2 lo/hi pair). */
 ALWAYS __m512 fload(kiln_wfmt f, const uint8_t *p) {
-    if (f == WF_F32) return _mm512_loadu_ps((const float *)p);
-    if (f == WF_F16) return _mm512_cvtph_ps(ld256(p));
+    if (f == KF_F32) return _mm512_loadu_ps((const float *)p);
+    if (f == KF_F16) return _mm512_cvtph_ps(ld256(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld256(p)), 16));
 }
 
@@ -279,16 +280,16 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
 
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
     switch (w->fmt) {
-    case WF_F32: run(WF_F32, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_F16: run(WF_F16, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_BF16: run(WF_BF16, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4: run(WF_Q4, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4S: run(WF_Q4S, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q5: run(WF_Q5, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q8: run(WF_Q8, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q4K: run(WF_Q4K, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q5K: run(WF_Q5K, w, act, n_tok, y, ldy, tile0, tile1); break;
-    case WF_Q6K: run(WF_Q6K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_F32: run(KF_F32, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_F16: run(KF_F16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_BF16: run(KF_BF16, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_1: run(KF_Q4_1, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_0: run(KF_Q4_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q5_0: run(KF_Q5_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q8_0: run(KF_Q8_0, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: break;
     }
 }

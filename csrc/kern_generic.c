@@ -7,6 +7,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "act.h"
 #include "kernels.h"
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
@@ -20,8 +21,8 @@ static inline int lane_byte(int nb, int j, int i) { return (i >> 2) * 4 * nb + 4
 static int stored_q(kiln_wfmt f, const uint8_t *q, int nb, int j, int i) {
     int k = i >> 2, b = 4 * j + (i & 3);
     int v = (q[(k & 3) * 4 * nb + b] >> (k >= 4 ? 4 : 0)) & 15;
-    if (f == WF_Q5 || f == WF_Q5K) v |= ((q[16 * nb + b] >> k) & 1) << 4;
-    if (f == WF_Q6K) v |= ((q[128 + (k >> 2) * 32 + b] >> (2 * (k & 3))) & 3) << 4;
+    if (f == KF_Q5_0 || f == KF_Q5_K) v |= ((q[16 * nb + b] >> k) & 1) << 4;
+    if (f == KF_Q6_K) v |= ((q[128 + (k >> 2) * 32 + b] >> (2 * (k & 3))) & 3) << 4;
     return v;
 }
 
@@ -32,8 +33,8 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
         for (int i = 0; i < 32; i++) {
             int x = (int8_t)ag[kiln_act_byte(nb, j, i)], w;
             switch (f) {
-            case WF_Q8: w = (int8_t)q[lane_byte(nb, j, i)]; break;
-            case WF_Q6K: w = ((int8_t)h[2 + 2 * j + i / 16]) * (stored_q(f, q, nb, j, i) - 32); break;
+            case KF_Q8_0: w = (int8_t)q[lane_byte(nb, j, i)]; break;
+            case KF_Q6_K: w = ((int8_t)h[2 + 2 * j + i / 16]) * (stored_q(f, q, nb, j, i) - 32); break;
             default: w = stored_q(f, q, nb, j, i); /* Q4, Q4K, Q5K: unsigned, scale / min below; Q4S, Q5: offset below */
             }
             isum += w * x;
@@ -43,19 +44,19 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
            split output head) */
         int32_t sum32;
         memcpy(&sum32, ag + KILN_AG_SUM32 + 4 * j, 4);
-        if (f == WF_Q4S) isum -= 8 * sum32;
-        if (f == WF_Q5) isum -= 16 * sum32;
+        if (f == KF_Q4_0) isum -= 8 * sum32;
+        if (f == KF_Q5_0) isum -= 16 * sum32;
         float dx = rdf32(ag + KILN_AG_D + 4 * j), sx = rdf32(ag + KILN_AG_S + 4 * j);
         switch (f) {
-        case WF_Q4:
+        case KF_Q4_1:
             acc[j] = fmaf((float)isum, rdf16(h + 2 * j) * dx, acc[j]);
             acc[j] = fmaf(rdf16(h + 2 * nb + 2 * j), sx, acc[j]);
             break;
-        case WF_Q4K: case WF_Q5K:
+        case KF_Q4_K: case KF_Q5_K:
             acc[j] = fmaf((float)(isum * h[4 + j]), rdf16(h) * dx, acc[j]);
             acc[j] = fmaf(-(rdf16(h + 2) * (float)h[12 + j]), sx, acc[j]);
             break;
-        case WF_Q6K:
+        case KF_Q6_K:
             acc[j] = fmaf((float)isum, rdf16(h) * dx, acc[j]);
             break;
         default:
@@ -67,8 +68,8 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
 static float reduce8(const float a[8]) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 static float load_weight(kiln_wfmt f, const uint8_t *p) {
-    if (f == WF_F32) return rdf32(p);
-    if (f == WF_F16) return rdf16(p);
+    if (f == KF_F32) return rdf32(p);
+    if (f == KF_F16) return rdf16(p);
     uint32_t bits = (uint32_t)rd16(p) << 16;
     float v;
     memcpy(&v, &bits, 4);

@@ -32,24 +32,24 @@
    Nibbles (4-bit fields): "slot" L (L = 0..3) is 4*nb bytes; its low nibbles are chunk L and its
    high nibbles chunk L+4. One 32-byte load gives two chunks with one shift; a 64-byte load (AVX-512)
    gives chunks L, L+1 (low) and L+4, L+5 (high), matching two consecutive activation chunks.
-   High bits (Q5, Q5K): 4*nb bytes; bit k of byte b is the 5th bit of byte b of chunk k.
-   Two high bits (Q6K): 2 x 32 bytes; in half h (chunks 4h..4h+3) bits 2m..2m+1 of byte b are the
+   High bits (Q5_0, Q5_K): 4*nb bytes; bit k of byte b is the 5th bit of byte b of chunk k.
+   Two high bits (Q6_K): 2 x 32 bytes; in half h (chunks 4h..4h+3) bits 2m..2m+1 of byte b are the
    high bits of byte b of chunk 4h+m.
 
    Per row, in a group of nb blocks (all d/m fp16, one per block, in block order):
-     WF_Q4S (Q4_0)  H: d[nb]            Q: nibbles 16nb            w = d*(q-8)        18 B/block
-     WF_Q4  (Q4_1)  H: d[nb] m[nb]      Q: nibbles 16nb            w = d*q + m        20 B/block
-     WF_Q5  (Q5_0)  H: d[nb]            Q: nibbles 16nb, high 4nb  w = d*(q-16)       22 B/block
-     WF_Q8  (Q8_0)  H: d[nb]            Q: int8 32nb (chunks)      w = d*q            34 B/block
+     KF_Q4_0 (Q4_0)  H: d[nb]            Q: nibbles 16nb            w = d*(q-8)        18 B/block
+     KF_Q4_1 (Q4_1)  H: d[nb] m[nb]      Q: nibbles 16nb            w = d*q + m        20 B/block
+     KF_Q5_0 (Q5_0)  H: d[nb]            Q: nibbles 16nb, high 4nb  w = d*(q-16)       22 B/block
+     KF_Q8_0 (Q8_0)  H: d[nb]            Q: int8 32nb (chunks)      w = d*q            34 B/block
    K-quants (cols % 256 == 0; a group is one super-block of 256):
-     WF_Q4K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
-                    w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
-     WF_Q5K (Q5_K)  H: as Q4K                               Q: nibbles 128, high 32   180 B/256
-     WF_Q6K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
-                    w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
+     KF_Q4_K (Q4_K)  H: d, dmin, sc[8] u8, m[8] u8 (20 B)    Q: nibbles 128            148 B/256
+                     w = d*sc_j*q - dmin*m_j for 32-weight sub-block j (6-bit fields decoded at pack)
+     KF_Q5_K (Q5_K)  H: as Q4_K                              Q: nibbles 128, high 32   180 B/256
+     KF_Q6_K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
+                     w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
 
    ---- Float formats ---------------------------------------------------------------------------------
-   WF_F32 / WF_F16 / WF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
+   KF_F32 / KF_F16 / KF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
    columns, each chunk 4 rows x 16 values. Activations are fp32.
 
    ---- Activations ---------------------------------------------------------------------------------------
@@ -65,8 +65,8 @@
         4 lanes each), so one 32-byte load meets one nibble slot and short tails cost half a group.
         With nb = 2 (a shared tail) lanes 2..7 repeat lanes 0 and 1 (quants, d, s and sums alike): lane
         l holds block l%2, in the order of a full group.
-   Activation sums let affine and offset formats fold their minimum in once per block: Q4 adds
-   m * s, Q4S/Q5 subtract 8/16 * sum32 in the integer sum, Q6K subtracts 32 * sc . sum16.
+   Activation sums let affine and offset formats fold their minimum in once per block: Q4_1 adds
+   m * s, Q4_0/Q5_0 subtract 8/16 * sum32 in the integer sum, Q6_K subtracts 32 * sc . sum16.
 */
 #pragma once
 #include <stddef.h>
@@ -74,8 +74,8 @@
 #include <string.h>
 
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
-/* WF_Q4S is last so the other values keep the numbering the executor was written against. */
-typedef enum { WF_F32, WF_F16, WF_BF16, WF_Q4, WF_Q4K, WF_Q5, WF_Q5K, WF_Q8, WF_Q6K, WF_Q4S, WF_COUNT } kiln_wfmt;
+/* Repack caches store these values: a new format takes the next one. */
+typedef enum { KF_F32, KF_F16, KF_BF16, KF_Q4_1, KF_Q4_K, KF_Q5_0, KF_Q5_K, KF_Q8_0, KF_Q6_K, KF_Q4_0, KF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
 typedef struct {
     kiln_wfmt fmt;
@@ -108,7 +108,7 @@ int kiln_pack(int ggml_type, const uint8_t *src, int rows, int cols, uint8_t *ds
    -1 for a bad row. Lets a table the output head shares be looked up without a second copy. */
 int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst);
 
-/* A Q8_0 matrix split in two (the output head, see plan.c): each weight q = 8*(q >> 3) + (q & 7), its top
+/* A Q8_0 matrix split in two (the output head, see op_logits.c): each weight q = 8*(q >> 3) + (q & 7), its top
    5 bits a Q5_0 block with scale 8d (`hi`, 22 bytes a block) and its low 3 bits a Q4_0 block with scale d
    (`lo`, 18 bytes, stored as (q & 7) + 8). Both are GGUF bytes, for kiln_pack. -1 if some 8d overflows fp16. */
 int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *lo);
@@ -116,10 +116,7 @@ int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *l
    is not one. */
 int kiln_unpack_split_row(const kiln_wmat *hi, const kiln_wmat *lo, int row, uint8_t *dst, uint8_t *work);
 
-/* ---- Activations and matmul (dispatch in cpu.c) ---- */
-int kiln_act_kind(kiln_wfmt fmt);
-size_t kiln_act_stride(kiln_wfmt fmt, int cols); /* bytes per token */
-size_t kiln_act_size(kiln_wfmt fmt, int cols, int n_tok);
+/* ---- Activations and matmul (dispatch in cpu.c; the activation layouts are act.h's) ---- */
 void kiln_quantize_act(kiln_wfmt fmt, const float *x, int ldx, int cols, int n_tok, void *act);
 /* A precise pair for one token of an integer format: `first` = x quantized (as kiln_quantize_act), and
    `second` = the residual x - value(first) quantized, with value = (float)q * d rounded, then subtracted
@@ -136,12 +133,12 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 
 /* ---- Internal: shared by the kernel files ---- */
 #define KILN_GROUP 256           /* weights per group / super-block */
-/* Bytes ahead of the group being computed that the SIMD kernels prefetch. The hardware prefetcher
-   alone left a streaming GEMV at ~80% of a plain read of the same memory on this class of machine;
-   1 KiB ahead closes most of that gap (docs/PERF.md, "Prefetch"). A hint: it never faults. */
+/* Bytes ahead of the group being computed that the SIMD kernels prefetch: the hardware prefetcher alone
+   leaves a streaming GEMV short of a plain read of the same memory (docs/PERF.md, "Prefetch"). A hint:
+   it never faults. */
 #define KILN_PREFETCH 1024
 /* A precise activation's pair of rows spends twice the arithmetic on each byte: the weights are then
-   fetched further ahead (a 2-thread C harness from DRAM: 14.3 -> 16.2 GB/s, medians of 6). */
+   fetched further ahead (docs/PERF.md, "Prefetch"). */
 #define KILN_PREFETCH_PAIR 4096
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */
@@ -150,8 +147,8 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 #define KILN_AG_SUM32 320
 #define KILN_AG_SUM16 352
 
-static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == WF_F32 || f == WF_F16 || f == WF_BF16; }
-static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == WF_F32 ? 4 : 2; } /* float formats */
+static inline int kiln_fmt_is_float(kiln_wfmt f) { return f == KF_F32 || f == KF_F16 || f == KF_BF16; }
+static inline int kiln_fmt_elem_bytes(kiln_wfmt f) { return f == KF_F32 ? 4 : 2; } /* float formats */
 
 /* Blocks of 32 in group g of a row of `cols` (8, or fewer in a short last group). */
 static inline int kiln_group_blocks(int cols, int g) {
@@ -179,19 +176,19 @@ static inline void kiln_repeat_tail_lanes(uint8_t *ag) {
 /* Bytes per row of one group of nb blocks (K-quants: nb = 8), split into header and quants. */
 static inline int kiln_fmt_head_bytes(kiln_wfmt f, int nb) {
     switch (f) {
-    case WF_Q4: return 4 * nb;
-    case WF_Q4S: case WF_Q5: case WF_Q8: return 2 * nb;
-    case WF_Q4K: case WF_Q5K: return 20;
-    case WF_Q6K: return 18;
+    case KF_Q4_1: return 4 * nb;
+    case KF_Q4_0: case KF_Q5_0: case KF_Q8_0: return 2 * nb;
+    case KF_Q4_K: case KF_Q5_K: return 20;
+    case KF_Q6_K: return 18;
     default: return 0;
     }
 }
 static inline int kiln_fmt_quant_bytes(kiln_wfmt f, int nb) {
     switch (f) {
-    case WF_Q4: case WF_Q4S: case WF_Q4K: return 16 * nb;
-    case WF_Q5: case WF_Q5K: return 20 * nb;
-    case WF_Q8: return 32 * nb;
-    case WF_Q6K: return 24 * nb;
+    case KF_Q4_1: case KF_Q4_0: case KF_Q4_K: return 16 * nb;
+    case KF_Q5_0: case KF_Q5_K: return 20 * nb;
+    case KF_Q8_0: return 32 * nb;
+    case KF_Q6_K: return 24 * nb;
     default: return 0;
     }
 }

@@ -11,8 +11,8 @@ enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, 
 
 /* GGUF types and the kernel formats they pack into, one to one. */
 static const struct { int ggml; kiln_wfmt fmt; } FORMATS[] = {
-    {GGML_F32, WF_F32},   {GGML_F16, WF_F16},   {GGML_BF16, WF_BF16}, {GGML_Q4_0, WF_Q4S}, {GGML_Q4_1, WF_Q4},
-    {GGML_Q5_0, WF_Q5},   {GGML_Q8_0, WF_Q8},   {GGML_Q4_K, WF_Q4K},  {GGML_Q5_K, WF_Q5K}, {GGML_Q6_K, WF_Q6K},
+    {GGML_F32, KF_F32},   {GGML_F16, KF_F16},   {GGML_BF16, KF_BF16}, {GGML_Q4_0, KF_Q4_0}, {GGML_Q4_1, KF_Q4_1},
+    {GGML_Q5_0, KF_Q5_0},   {GGML_Q8_0, KF_Q8_0},   {GGML_Q4_K, KF_Q4_K},  {GGML_Q5_K, KF_Q5_K}, {GGML_Q6_K, KF_Q6_K},
 };
 
 int kiln_wfmt_for_ggml(int t) {
@@ -53,8 +53,8 @@ size_t kiln_ggml_row_bytes(int t, int cols) {
 }
 
 size_t kiln_tile_bytes(kiln_wfmt f, int cols) {
-    if (f < 0 || f >= WF_COUNT || cols <= 0) return 0;
-    if ((f == WF_Q4K || f == WF_Q5K || f == WF_Q6K) && cols % KILN_GROUP) return 0;
+    if (f < 0 || f >= KF_COUNT || cols <= 0) return 0;
+    if ((f == KF_Q4_K || f == KF_Q5_K || f == KF_Q6_K) && cols % KILN_GROUP) return 0;
     if (!kiln_fmt_is_float(f) && cols % 32) return 0;
     if (kiln_fmt_is_float(f))
         return (size_t)4 * ((cols + KILN_FCHUNK - 1) / KILN_FCHUNK * KILN_FCHUNK) * kiln_fmt_elem_bytes(f);
@@ -91,7 +91,7 @@ static void put_high1(uint8_t *dst, int nb, const uint8_t *q) {
         for (int i = 0; i < 32; i++) dst[4 * j + (i & 3)] |= ((q[j * 32 + i] >> 4) & 1) << (i >> 2);
 }
 
-/* Bits 4-5 (Q6K, nb = 8): chunk k goes to half k/4, bits 2*(k%4). */
+/* Bits 4-5 (Q6_K, nb = 8): chunk k goes to half k/4, bits 2*(k%4). */
 static void put_high2(uint8_t *dst, const uint8_t *q) {
     memset(dst, 0, 64);
     for (int j = 0; j < 8; j++)
@@ -108,12 +108,12 @@ static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uin
 
 /* The 32 values block b stores: nibbles with Q5_0's 5th bits added, or Q8_0's bytes. */
 static void block32_values(kiln_wfmt f, const uint8_t *b, uint8_t *q) {
-    if (f == WF_Q8) {
+    if (f == KF_Q8_0) {
         memcpy(q, b + 2, 32);
         return;
     }
-    const uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
-    uint32_t qh = f == WF_Q5 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
+    const uint8_t *qs = b + (f == KF_Q4_1 ? 4 : f == KF_Q5_0 ? 6 : 2);
+    uint32_t qh = f == KF_Q5_0 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
     for (int i = 0; i < 16; i++) {
         q[i] = (qs[i] & 15) | ((qh >> i & 1) << 4);
         q[16 + i] = (qs[i] >> 4) | ((qh >> (16 + i) & 1) << 4);
@@ -122,17 +122,17 @@ static void block32_values(kiln_wfmt f, const uint8_t *b, uint8_t *q) {
 
 /* block32_values undone: the 32 values v into block b (its scale fields are left as they are). */
 static void block32_put_values(kiln_wfmt f, const uint8_t *v, uint8_t *b) {
-    if (f == WF_Q8) {
+    if (f == KF_Q8_0) {
         memcpy(b + 2, v, 32);
         return;
     }
-    uint8_t *qs = b + (f == WF_Q4 ? 4 : f == WF_Q5 ? 6 : 2);
+    uint8_t *qs = b + (f == KF_Q4_1 ? 4 : f == KF_Q5_0 ? 6 : 2);
     uint32_t qh = 0;
     for (int i = 0; i < 16; i++) {
         qs[i] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
         qh |= (uint32_t)(v[i] >> 4 & 1) << i | (uint32_t)(v[16 + i] >> 4 & 1) << (16 + i);
     }
-    if (f == WF_Q5)
+    if (f == KF_Q5_0)
         for (int i = 0; i < 4; i++) b[2 + i] = (uint8_t)(qh >> (8 * i));
 }
 
@@ -145,16 +145,16 @@ static void pack_group32(kiln_wfmt f, const uint8_t *src, int nb, uint8_t *h, ui
     for (int j = 0; j < nb; j++) {
         const uint8_t *b = src + j * bb;
         wr16(h + 2 * j, rd16(b));
-        if (f == WF_Q4) wr16(h + 2 * nb + 2 * j, rd16(b + 2));
+        if (f == KF_Q4_1) wr16(h + 2 * nb + 2 * j, rd16(b + 2));
         block32_values(f, b, q + 32 * j);
     }
-    if (f == WF_Q8) {
+    if (f == KF_Q8_0) {
         for (int j = 0; j < nb; j++)
             for (int i = 0; i < 32; i++) qd[lane_byte(nb, j, i)] = q[32 * j + i];
         return;
     }
     put_nibbles(qd, nb, q);
-    if (f == WF_Q5) put_high1(qd + 16 * nb, nb, q);
+    if (f == KF_Q5_0) put_high1(qd + 16 * nb, nb, q);
 }
 
 /* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block. */
@@ -170,7 +170,7 @@ static void k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
 
 static void pack_groupk(kiln_wfmt f, const uint8_t *b, uint8_t *h, uint8_t *qd) {
     uint8_t q[256];
-    if (f == WF_Q6K) {
+    if (f == KF_Q6_K) {
         const uint8_t *ql = b, *qh = b + 128, *sc = b + 192;
         wr16(h, rd16(b + 208));
         memcpy(h + 2, sc, 16);
@@ -184,18 +184,18 @@ static void pack_groupk(kiln_wfmt f, const uint8_t *b, uint8_t *h, uint8_t *qd) 
         put_high2(qd + 128, q);
         return;
     }
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == WF_Q5K ? 48 : 16);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == KF_Q5_K ? 48 : 16);
     wr16(h, rd16(b));
     wr16(h + 2, rd16(b + 2));
     for (int j = 0; j < 8; j++) k_scale_min(scales, j, h + 4 + j, h + 12 + j);
     for (int e = 0; e < 256; e++) {
         int c = e >> 6, l = e & 63;
         int lo = (qs[32 * c + (l & 31)] >> (l >= 32 ? 4 : 0)) & 15;
-        int hi = f == WF_Q5K ? (qh[e & 31] >> (e >> 5)) & 1 : 0;
+        int hi = f == KF_Q5_K ? (qh[e & 31] >> (e >> 5)) & 1 : 0;
         q[e] = (uint8_t)(lo | hi << 4);
     }
     put_nibbles(qd, 8, q);
-    if (f == WF_Q5K) put_high1(qd + 128, 8, q);
+    if (f == KF_Q5_K) put_high1(qd + 128, 8, q);
 }
 
 /* Float formats: chunks of 16 columns, 4 rows each, zero padded. */
@@ -267,13 +267,13 @@ static void get_values(kiln_wfmt f, const uint8_t *qd, int nb, uint8_t *q) {
     for (int j = 0; j < nb; j++)
         for (int i = 0; i < 32; i++) {
             int k = i >> 2, e = 32 * j + i;
-            if (f == WF_Q8) {
+            if (f == KF_Q8_0) {
                 q[e] = qd[lane_byte(nb, j, i)];
                 continue;
             }
             q[e] = (qd[(k & 3) * 4 * nb + 4 * j + (i & 3)] >> (k >= 4 ? 4 : 0)) & 15;
-            if (f == WF_Q5 || f == WF_Q5K) q[e] |= ((qd[16 * nb + 4 * j + (i & 3)] >> k) & 1) << 4;
-            if (f == WF_Q6K) q[e] |= ((qd[128 + (k >> 2) * 32 + 4 * j + (i & 3)] >> (2 * (k & 3))) & 3) << 4;
+            if (f == KF_Q5_0 || f == KF_Q5_K) q[e] |= ((qd[16 * nb + 4 * j + (i & 3)] >> k) & 1) << 4;
+            if (f == KF_Q6_K) q[e] |= ((qd[128 + (k >> 2) * 32 + 4 * j + (i & 3)] >> (2 * (k & 3))) & 3) << 4;
         }
 }
 
@@ -285,7 +285,7 @@ static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int
     for (int j = 0; j < nb; j++) {
         uint8_t *b = dst + j * bb;
         wr16(b, rd16(h + 2 * j));
-        if (f == WF_Q4) wr16(b + 2, rd16(h + 2 * nb + 2 * j));
+        if (f == KF_Q4_1) wr16(b + 2, rd16(h + 2 * nb + 2 * j));
         block32_put_values(f, q + 32 * j, b);
     }
 }
@@ -294,7 +294,7 @@ static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int
 static void unpack_groupk(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, uint8_t *b) {
     uint8_t q[256];
     get_values(f, qd, 8, q);
-    if (f == WF_Q6K) {
+    if (f == KF_Q6_K) {
         uint8_t *ql = b, *qh = b + 128;
         memset(b, 0, 192);
         memcpy(b + 192, h + 2, 16);
@@ -307,7 +307,7 @@ static void unpack_groupk(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, uint
         return;
     }
     const uint8_t *sc = h + 4, *m = h + 12;
-    uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == WF_Q5K ? 48 : 16);
+    uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (f == KF_Q5_K ? 48 : 16);
     wr16(b, rd16(h));
     wr16(b + 2, rd16(h + 2));
     for (int j = 0; j < 4; j++) { /* k_scale_min undone: 8 six-bit scales and mins in 12 bytes */
@@ -316,11 +316,11 @@ static void unpack_groupk(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, uint
         scales[j + 8] = (uint8_t)((sc[j + 4] & 15) | (m[j + 4] & 15) << 4);
     }
     memset(qs, 0, 128);
-    if (f == WF_Q5K) memset(qh, 0, 32);
+    if (f == KF_Q5_K) memset(qh, 0, 32);
     for (int e = 0; e < 256; e++) {
         int c = e >> 6, l = e & 63;
         qs[32 * c + (l & 31)] |= (uint8_t)((q[e] & 15) << (l >= 32 ? 4 : 0));
-        if (f == WF_Q5K) qh[e & 31] |= (uint8_t)((q[e] >> 4 & 1) << (e >> 5));
+        if (f == KF_Q5_K) qh[e & 31] |= (uint8_t)((q[e] >> 4 & 1) << (e >> 5));
     }
 }
 
@@ -360,7 +360,7 @@ int kiln_unpack_row(const kiln_wmat *w, int row, uint8_t *dst) {
     return 0;
 }
 
-/* ---- A split int8 matrix (the output head; plan.c says why) ---------------------------------------- */
+/* ---- A split int8 matrix (the output head; op_logits.c says why) ---------------------------------------- */
 
 /* fp16 bits of 8 times fp16 `h` (exact: only the exponent moves), or -1 when that overflows. */
 static int f16_times8(uint16_t h) {
@@ -380,32 +380,32 @@ int kiln_split_q8_0(const uint8_t *src, size_t n_blocks, uint8_t *hi, uint8_t *l
         uint8_t *h = hi + b5 * b, *l = lo + b4 * b, q[32], u[32], n[32];
         int d8 = f16_times8(rd16(s));
         if (d8 < 0) return -1;
-        block32_values(WF_Q8, s, q);
+        block32_values(KF_Q8_0, s, q);
         for (int i = 0; i < 32; i++) { /* q = 8 * (u - 16) + (n - 8) */
             u[i] = (uint8_t)(((int8_t)q[i] >> 3) + 16);
             n[i] = (uint8_t)(((int8_t)q[i] & 7) + 8);
         }
         wr16(h, (uint16_t)d8);
-        block32_put_values(WF_Q5, u, h);
+        block32_put_values(KF_Q5_0, u, h);
         wr16(l, rd16(s));
-        block32_put_values(WF_Q4S, n, l);
+        block32_put_values(KF_Q4_0, n, l);
     }
     return 0;
 }
 
 int kiln_unpack_split_row(const kiln_wmat *hi, const kiln_wmat *lo, int row, uint8_t *dst, uint8_t *work) {
-    if (hi->fmt != WF_Q5 || lo->fmt != WF_Q4S || hi->rows != lo->rows || hi->cols != lo->cols) return -1;
+    if (hi->fmt != KF_Q5_0 || lo->fmt != KF_Q4_0 || hi->rows != lo->rows || hi->cols != lo->cols) return -1;
     int nb = hi->cols / 32, b8 = ggml_block_bytes(GGML_Q8_0), b5 = ggml_block_bytes(GGML_Q5_0),
         b4 = ggml_block_bytes(GGML_Q4_0);
     uint8_t *h = work, *l = work + (size_t)nb * b5;
     if (kiln_unpack_row(hi, row, h) < 0 || kiln_unpack_row(lo, row, l) < 0) return -1;
     for (int b = 0; b < nb; b++, h += b5, l += b4, dst += b8) {
         uint8_t u[32], n[32], q[32];
-        block32_values(WF_Q5, h, u);
-        block32_values(WF_Q4S, l, n);
+        block32_values(KF_Q5_0, h, u);
+        block32_values(KF_Q4_0, l, n);
         for (int i = 0; i < 32; i++) q[i] = (uint8_t)(int8_t)(8 * (u[i] - 16) + (n[i] - 8));
         wr16(dst, rd16(l));
-        block32_put_values(WF_Q8, q, dst);
+        block32_put_values(KF_Q8_0, q, dst);
     }
     return 0;
 }

@@ -23,11 +23,22 @@ enum {
     OP_COUNT
 };
 
+/* What the tracer files an op's time under (kiln_op.op_class). */
+enum {
+    OPC_MATMUL,    /* matrix products: QKV, MATMUL, GLU */
+    OPC_ATTENTION, /* ATTN */
+    OPC_NORM,      /* norms, rope, activations, quantization */
+    OPC_HEAD,      /* the final norm and the output head */
+    OPC_EMBED,     /* the embedding lookup */
+    OPC_COUNT
+};
+
 enum { ACT_SILU, ACT_GELU_TANH };
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
 #define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
 #define ATTN_SPAN 512 /* keys per part of a context that attention splits for the threads */
+#define KILN_GUARD_FLOATS 16 /* a guarded plan's guard words either side of each thread's scratch */
 
 typedef struct {
     const float *weight; /* NULL: no norm */
@@ -41,7 +52,7 @@ typedef struct {
 
 typedef struct kiln_op {
     int kind;
-    int op_class; /* for the tracer: 0 gemm/gemv, 1 attention, 2 norm/rope/act, 3 lm head, 4 embed */
+    int op_class; /* OPC_*, for the tracer */
     int layer;
     /* generic shapes */
     int cols;           /* input width */
@@ -68,6 +79,7 @@ typedef struct kiln_op {
     size_t table_offset;
     int table_type;
     size_t table_row_bytes;
+    int table_rows; /* token ids are below it */
     /* attention and qkv */
     int n_heads, n_kv_heads, head_dim, window;
     const kiln_wmat *wq, *wk, *wv;
@@ -81,10 +93,17 @@ typedef struct kiln_op {
     int chunk_tiles; /* matrix ops: tiles per chunk */
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
-    int precise; /* quantize ops: two int8 rows per token (see plan.c); matmul ops: consume such pairs */
+    int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;
+
+/* A buffer the plan was handed: what its ops may touch (plan_check.c). */
+typedef struct {
+    const char *name;
+    uint8_t *data;
+    size_t nbytes;
+} kiln_region;
 
 typedef struct {
     kiln_plan *plan;
@@ -96,7 +115,7 @@ struct kiln_plan {
     kiln_op *ops;
     kiln_job *jobs; /* one per op */
     int n_ops, cap;
-    int max_rows;
+    int max_rows, max_out; /* rows a run may have, and of them with logits */
     int n_ctx, n_slots;
     /* per-row inputs, written by the caller before each run */
     int32_t *tokens, *slots, *positions, *row_sel;
@@ -110,11 +129,17 @@ struct kiln_plan {
     float *chunk_best;  /* output head: per chunk and logits row, the chunk's largest logit */
     int32_t *refine_chunks; /* output head: the chunks the refinement pass visits */
     int n_blocks;
-    float *logits;        /* [max_rows][vocab] */
-    int vocab;
+    int vocab; /* rows of the embedding table (kiln_plan_check) */
     kiln_pool *pool;
-    float *scratch;       /* per thread */
-    size_t scratch_floats;
+    /* per thread scratch_stride floats: scratch_floats, the most any op needs (op_scratch[i] for op i,
+     * kiln_op_scratch), between KILN_GUARD_FLOATS guard words either side when guarded */
+    float *scratch;
+    size_t scratch_floats, scratch_stride, *op_scratch;
+    int guard;
+    kiln_region *gaps; /* guarded: the bytes past each activation buffer, which no op writes */
+    int n_gaps;
+    /* the op whose guard broke in the last run, and where: a thread's scratch (before or after it) or gap */
+    int overrun_op, overrun_thread, overrun_after, overrun_gap;
     /* tracing: per op, accumulated over runs */
     int trace;
     int64_t *op_ns, *op_wait_ns;
@@ -126,5 +151,26 @@ struct kiln_plan {
 /* Chunks of a QKV op over `heads` heads (q, k and v together) at most `per` a chunk. */
 int kiln_qkv_chunks(int heads, int per);
 
-/* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. */
+/* Floats of per-thread scratch `op` needs in a plan of `rows` rows, `out_rows` of them with logits. */
+size_t kiln_op_scratch(const kiln_op *op, int rows, int out_rows);
+
+typedef struct kiln_bounds kiln_bounds;
+
+/* At plan build (max_rows, max_out, n_ctx, n_slots and the row inputs set): every byte each op will touch
+ * lies inside one of `regions`, every matrix is one of `mats` and of the op's shape, and the row inputs
+ * hold max_rows rows. Sets plan->vocab. 0, or -1 with `err` naming the op, the field and the buffer. */
+int kiln_plan_check(kiln_plan *plan, const kiln_region *regions, int n_regions, const kiln_wmat *const *mats,
+                    int n_mats, char *err, size_t err_len);
+
+/* At each run: the row counts, and each row's token, slot, position and logits row in range. */
+int kiln_plan_check_step(const kiln_plan *plan, int n_rows, int n_out, char *err, size_t err_len);
+
+/* Guarded plans: write the scratch's guard words (once the scratch is allocated; runs write the gaps'). */
+void kiln_plan_guard_fill(kiln_plan *plan);
+
+/* Run the plan over rows [0, n_rows); `n_out` rows listed in row_sel get logits. A guarded plan stops
+ * at the first op whose scratch guard broke (overrun_op, else -1). */
 int64_t kiln_plan_run(kiln_plan *plan, int n_rows, int n_out);
+
+/* The op kind's name, for messages. */
+const char *kiln_op_name(int kind);

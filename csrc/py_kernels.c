@@ -1,6 +1,7 @@
 /* Python bindings of the kernel interface: plain ints and buffers, checked so that a wrong size
    raises instead of reading or writing out of bounds. kiln/native/kernels.py wraps them for numpy. */
 #include "bindings.h"
+#include "act.h"
 #include "kernels.h"
 
 static int get_buf(PyObject *o, Py_buffer *v, int writable, Py_ssize_t need, const char *what) {
@@ -85,8 +86,36 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     return Py_BuildValue("iin", (int)w.fmt, w.rows_padded, (Py_ssize_t)w.tile_bytes);
 }
 
+/* kernel_formats() -> ({name: kiln_wfmt}, {name: activation kind}): Python's Format and ActKind enums,
+ * named as kernels.h names them (less the prefix), so the two sides cannot drift apart. */
+#define NAMED(value, prefix) {#value + sizeof(prefix) - 1, value}
+typedef struct {
+    const char *name;
+    int value;
+} named;
+static const named KERNEL_FORMATS[] = {
+    NAMED(KF_F32, "KF_"), NAMED(KF_F16, "KF_"), NAMED(KF_BF16, "KF_"), NAMED(KF_Q4_1, "KF_"), NAMED(KF_Q4_K, "KF_"),
+    NAMED(KF_Q5_0, "KF_"), NAMED(KF_Q5_K, "KF_"), NAMED(KF_Q8_0, "KF_"), NAMED(KF_Q6_K, "KF_"), NAMED(KF_Q4_0, "KF_"),
+}, ACT_KINDS[] = {NAMED(KILN_ACT_F32, "KILN_ACT_"), NAMED(KILN_ACT_Q8, "KILN_ACT_")};
+_Static_assert(sizeof KERNEL_FORMATS / sizeof *KERNEL_FORMATS == KF_COUNT, "every kernel format is named");
+
+static PyObject *named_dict(const named *values, size_t n) {
+    PyObject *d = PyDict_New();
+    for (size_t i = 0; d && i < n; i++) {
+        PyObject *v = PyLong_FromLong(values[i].value);
+        if (!v || PyDict_SetItemString(d, values[i].name, v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
+static PyObject *py_kernel_formats(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    return Py_BuildValue("(NN)", named_dict(KERNEL_FORMATS, KF_COUNT), named_dict(ACT_KINDS, 2));
+}
+
 static int fmt_arg(int fmt) {
-    if (fmt < 0 || fmt >= WF_COUNT) {
+    if (fmt < 0 || fmt >= KF_COUNT) {
         PyErr_Format(PyExc_ValueError, "unknown weight format %d", fmt);
         return -1;
     }
@@ -219,8 +248,8 @@ static PyObject *py_unpack_split_row(PyObject *self, PyObject *args) {
     PyObject *ho, *lo_o, *oo;
     if (!PyArg_ParseTuple(args, "iinOnOiO", &rows, &cols, &hi_tb, &ho, &lo_tb, &lo_o, &row, &oo)) return NULL;
     int tiles = (rows + 3) / 4;
-    if (rows <= 0 || cols <= 0 || cols % 32 || (size_t)hi_tb != kiln_tile_bytes(WF_Q5, cols) ||
-        (size_t)lo_tb != kiln_tile_bytes(WF_Q4S, cols))
+    if (rows <= 0 || cols <= 0 || cols % 32 || (size_t)hi_tb != kiln_tile_bytes(KF_Q5_0, cols) ||
+        (size_t)lo_tb != kiln_tile_bytes(KF_Q4_0, cols))
         return PyErr_Format(PyExc_ValueError, "bad split matrix: %d x %d, tile_bytes %zd and %zd", rows, cols, hi_tb, lo_tb);
     if (row < 0 || row >= rows) return PyErr_Format(PyExc_IndexError, "row %d of a matrix of %d rows", row, rows);
     Py_buffer hb, lb, ob;
@@ -234,7 +263,7 @@ static PyObject *py_unpack_split_row(PyObject *self, PyObject *args) {
         PyBuffer_Release(&lb);
         return NULL;
     }
-    kiln_wmat hi = {WF_Q5, rows, cols, tiles * 4, (size_t)hi_tb, hb.buf}, lo = {WF_Q4S, rows, cols, tiles * 4, (size_t)lo_tb, lb.buf};
+    kiln_wmat hi = {KF_Q5_0, rows, cols, tiles * 4, (size_t)hi_tb, hb.buf}, lo = {KF_Q4_0, rows, cols, tiles * 4, (size_t)lo_tb, lb.buf};
     uint8_t *work = PyMem_RawMalloc((size_t)cols / 32 * 40);
     if (work) kiln_unpack_split_row(&hi, &lo, row, ob.buf, work);
     PyMem_RawFree(work);
@@ -342,6 +371,7 @@ PyMethodDef kernel_methods[] = {
     {"isa_missing", py_isa_missing, METH_VARARGS, "First CPU feature an ISA needs that is missing, or None."},
     {"isa_force", py_isa_force, METH_VARARGS, "Use this ISA from now on; RuntimeError if the CPU lacks it."},
     {"wfmt_for_ggml", py_wfmt_for_ggml, METH_VARARGS, "Kernel format of a GGML type, or -1."},
+    {"kernel_formats", py_kernel_formats, METH_NOARGS, "({format name: kiln_wfmt}, {activation kind name: value})."},
     {"pack_size", py_pack_size, METH_VARARGS, "Bytes kiln_pack writes (0: unsupported)."},
     {"pack", py_pack, METH_VARARGS, "pack(ggml_type, src, rows, cols, dst) -> (fmt, rows_padded, tile_bytes)."},
     {"act_kind", py_act_kind, METH_VARARGS, "Activation layout a format consumes."},

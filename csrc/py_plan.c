@@ -50,8 +50,9 @@ static PyObject *arena_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         Py_DECREF(a);
         return PyErr_Format(PyExc_MemoryError, "cannot map %zd bytes for a kiln arena", nbytes);
     }
-    /* Huge pages: +20-55% bandwidth where the kernel grants them, for what is streamed. Small pages for
-       what a step touches only in part (activations, logits rows), so the rest never becomes resident. */
+    /* Huge pages for what is streamed, where the kernel grants them (docs/PERF.md, "Figures that were
+       code comments"). Small pages for what a step touches only in part (activations, logits rows), so
+       the rest never becomes resident. */
     madvise(p, a->mapped, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
     a->data = p;
     return (PyObject *)a;
@@ -200,7 +201,7 @@ static PyObject *py_wmat(PyObject *self, PyObject *args) {
     Arena *a = as_arena(arena_obj);
     if (!a) return NULL;
     size_t nbytes = (size_t)tile_bytes * (size_t)(rows_padded / 4);
-    if (fmt < 0 || fmt >= WF_COUNT || offset < 0 || (size_t)offset + nbytes > a->nbytes || rows_padded % 4)
+    if (fmt < 0 || fmt >= KF_COUNT || offset < 0 || (size_t)offset + nbytes > a->nbytes || rows_padded % 4)
         return PyErr_Format(PyExc_ValueError, "packed matrix (fmt %d, %d x %d) does not fit its arena", fmt, rows, cols);
     kiln_wmat m = {(kiln_wfmt)fmt, rows, cols, rows_padded, (size_t)tile_bytes, a->data + offset};
     return make_wmat(arena_obj, m);
@@ -297,6 +298,8 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.chunk_best);
     PyMem_Free(p->plan.refine_chunks);
     PyMem_Free(p->plan.scratch);
+    PyMem_Free(p->plan.op_scratch);
+    PyMem_Free(p->plan.gaps);
     PyMem_Free(p->plan.op_ns);
     PyMem_Free(p->plan.op_wait_ns);
     PyMem_Free(p->plan.op_t0_ns);
@@ -306,41 +309,129 @@ static void plan_dealloc(Plan *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* Plan(ops, pool, keep, rows, n_ctx, n_slots, scratch_floats, tokens, slots, positions, row_sel) */
+/* The plan's checks over `buffers` ({name: WMat, or any object with a buffer: arenas, arrays}): each
+ * buffer's extent and each matrix, so kiln_plan_check can hold every op's addresses against them. */
+static int check_plan(kiln_plan *k, PyObject *buffers) {
+    Py_ssize_t n = PyDict_Size(buffers), pos = 0, n_regions = 0, n_mats = 0;
+    kiln_region *regions = PyMem_Calloc((size_t)n + 1, sizeof *regions);
+    const kiln_wmat **mats = PyMem_Calloc((size_t)n + 1, sizeof *mats);
+    PyObject *key, *value;
+    int rc = -1;
+    if (!regions || !mats) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    while (PyDict_Next(buffers, &pos, &key, &value)) {
+        const char *name = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+        if (!name) {
+            PyErr_SetString(PyExc_TypeError, "plan buffers are named by strings");
+            goto done;
+        }
+        if (PyObject_TypeCheck(value, &WMatType)) {
+            mats[n_mats++] = &((WMat *)value)->m;
+            continue;
+        }
+        Py_buffer view;
+        if (PyObject_GetBuffer(value, &view, PyBUF_SIMPLE) < 0) {
+            PyErr_Format(PyExc_TypeError, "plan buffer '%s' is neither a matrix nor a buffer", name);
+            goto done;
+        }
+        regions[n_regions++] = (kiln_region){name, view.buf, (size_t)view.len};
+        PyBuffer_Release(&view); /* `keep` holds the owner, and kiln's buffers never move */
+    }
+    char err[512];
+    if (kiln_plan_check(k, regions, (int)n_regions, mats, (int)n_mats, err, sizeof err) < 0) {
+        PyErr_SetString(PyExc_ValueError, err);
+        goto done;
+    }
+    rc = 0;
+done:
+    PyMem_Free(regions);
+    PyMem_Free(mats);
+    return rc;
+}
+
+/* Plan(ops, pool, buffers, rows, out_rows, n_ctx, n_slots, tokens, slots, positions, row_sel, guard=False,
+ *      guard_gaps=b""): `buffers` names every buffer and matrix the ops point into (checked here, and kept
+ * alive). Each op's scratch is what its family asks for (kiln_op_scratch); guarded, each thread's scratch
+ * has guard words either side and each op's region ends at them, and guard_gaps (uint64 pairs: address,
+ * bytes) lists the bytes past each activation buffer, so a run that writes past either fails. */
 static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    (void)kw;
-    Py_buffer ops;
-    PyObject *pool, *keep;
-    int rows, n_ctx, n_slots;
-    Py_ssize_t scratch_floats;
+    Py_buffer ops, gaps = {0};
+    PyObject *pool, *buffers;
+    int rows, out_rows, n_ctx, n_slots, guard = 0;
     unsigned long long tokens, slots, positions, row_sel;
-    if (!PyArg_ParseTuple(args, "y*O!OiiinKKKK", &ops, &PoolType, &pool, &keep, &rows, &n_ctx, &n_slots,
-                          &scratch_floats, &tokens, &slots, &positions, &row_sel))
+    static char *names[] = {"ops", "pool", "buffers", "rows", "out_rows", "n_ctx", "n_slots", "tokens", "slots",
+                            "positions", "row_sel", "guard", "guard_gaps", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*O!O!iiiiKKKK|py*", names, &ops, &PoolType, &pool, &PyDict_Type,
+                                     &buffers, &rows, &out_rows, &n_ctx, &n_slots, &tokens, &slots, &positions,
+                                     &row_sel, &guard, &gaps))
         return NULL;
-    if (ops.len % sizeof(kiln_op)) {
+    size_t n_gaps = gaps.buf ? (size_t)gaps.len / 16 : 0;
+    kiln_region *gap_list = PyMem_Calloc(n_gaps + 1, sizeof *gap_list);
+    for (size_t g = 0; gap_list && g < n_gaps; g++) {
+        uint64_t pair[2];
+        memcpy(pair, (const uint8_t *)gaps.buf + 16 * g, sizeof pair);
+        gap_list[g] = (kiln_region){"gap", (uint8_t *)(uintptr_t)pair[0], (size_t)pair[1]};
+    }
+    int bad_gaps = gaps.buf && (gaps.len % 16 || (n_gaps && !guard));
+    if (gaps.buf) PyBuffer_Release(&gaps);
+    if (!gap_list || bad_gaps || ops.len % sizeof(kiln_op)) {
+        PyMem_Free(gap_list);
         PyBuffer_Release(&ops);
+        if (!gap_list) return PyErr_NoMemory();
+        if (bad_gaps) return PyErr_Format(PyExc_ValueError, "guard_gaps: (address, bytes) pairs of a guarded plan");
         return PyErr_Format(PyExc_ValueError, "ops buffer of %zd bytes is not a whole number of %zu-byte ops", ops.len,
                             sizeof(kiln_op));
     }
     Plan *p = (Plan *)type->tp_alloc(type, 0);
-    if (!p) { PyBuffer_Release(&ops); return NULL; }
+    if (!p) {
+        PyMem_Free(gap_list);
+        PyBuffer_Release(&ops);
+        return NULL;
+    }
     kiln_plan *k = &p->plan;
+    k->gaps = gap_list, k->n_gaps = (int)n_gaps;
     k->n_ops = (int)(ops.len / sizeof(kiln_op));
     k->ops = PyMem_Malloc(ops.len ? ops.len : 1);
+    if (!k->ops) {
+        PyBuffer_Release(&ops);
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    memcpy(k->ops, ops.buf, ops.len);
+    PyBuffer_Release(&ops);
+    k->max_rows = rows;
+    k->max_out = out_rows;
+    k->n_ctx = n_ctx;
+    k->n_slots = n_slots;
+    k->tokens = (int32_t *)(uintptr_t)tokens;
+    k->slots = (int32_t *)(uintptr_t)slots;
+    k->positions = (int32_t *)(uintptr_t)positions;
+    k->row_sel = (int32_t *)(uintptr_t)row_sel;
+    p->keep = PyDict_Copy(buffers); /* a copy: what the ops point into stays alive whatever the caller's dict does */
+    if (!p->keep || check_plan(k, p->keep) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
     k->jobs = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(kiln_job));
     k->blocks = PyMem_Calloc(2 * (size_t)rows + 2, sizeof(int32_t));
     k->attn_unit0 = PyMem_Calloc((size_t)rows + 2, sizeof(int32_t));
     k->attn_floats0 = PyMem_Calloc((size_t)rows + 2, sizeof(size_t));
+    k->op_scratch = PyMem_Calloc((size_t)k->n_ops, sizeof(size_t));
     /* per_row: every query of a row, (o, m, l) per attention part; head_chunks: the output head's chunks */
     size_t per_row = 0, head_chunks = 1;
-    for (int i = 0; i < k->n_ops; i++) {
-        const kiln_op *op = (const kiln_op *)ops.buf + i;
+    k->scratch_floats = 1;
+    for (int i = 0; i < k->n_ops && k->op_scratch; i++) {
+        const kiln_op *op = &k->ops[i];
         if (op->kind == OP_ATTN && (size_t)op->n_heads * (op->head_dim + 2) > per_row)
             per_row = (size_t)op->n_heads * (op->head_dim + 2);
         if (op->kind == OP_LOGITS) {
             size_t tiles = (size_t)op->w->rows_padded / 4, c = (tiles + op->chunk_tiles - 1) / op->chunk_tiles;
             head_chunks = c > head_chunks ? c : head_chunks;
         }
+        k->op_scratch[i] = kiln_op_scratch(op, rows, out_rows);
+        if (k->op_scratch[i] > k->scratch_floats) k->scratch_floats = k->op_scratch[i];
     }
     /* at most n_ctx / ATTN_SPAN + 1 parts: sized for the longest context, used as far as the step's
      * positions reach; mapped, not allocated, so pages a step never touches are never resident (a heap
@@ -357,62 +448,75 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     k->refine_chunks = PyMem_Calloc(head_chunks + 1, sizeof(int32_t));
     k->pool = ((Pool *)pool)->pool;
     int threads = kiln_pool_threads(k->pool);
-    k->scratch_floats = (size_t)scratch_floats;
-    k->scratch = PyMem_Calloc((size_t)threads * (size_t)scratch_floats + 1, sizeof(float));
+    k->guard = guard;
+    k->scratch_stride = k->scratch_floats + (guard ? 2 * KILN_GUARD_FLOATS : 0);
+    k->scratch = PyMem_Calloc((size_t)threads * k->scratch_stride + 1, sizeof(float));
     k->op_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_wait_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t0_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
     k->op_t1_ns = PyMem_Calloc((size_t)k->n_ops + 1, sizeof(int64_t));
-    if (!k->ops || !k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->attn_partial || !k->logit_floor || !k->remainder_floor || !k->chunk_best || !k->refine_chunks || !k->scratch || !k->op_ns || !k->op_wait_ns || !k->op_t0_ns ||
-        !k->op_t1_ns) {
-        PyBuffer_Release(&ops);
+    if (!k->jobs || !k->blocks || !k->attn_unit0 || !k->attn_floats0 || !k->op_scratch || !k->attn_partial ||
+        !k->logit_floor || !k->remainder_floor || !k->chunk_best || !k->refine_chunks || !k->scratch || !k->op_ns ||
+        !k->op_wait_ns || !k->op_t0_ns || !k->op_t1_ns) {
         Py_DECREF(p);
         return PyErr_NoMemory();
     }
-    memcpy(k->ops, ops.buf, ops.len);
-    PyBuffer_Release(&ops);
-    k->max_rows = rows;
-    k->n_ctx = n_ctx;
-    k->n_slots = n_slots;
-    k->tokens = (int32_t *)(uintptr_t)tokens;
-    k->slots = (int32_t *)(uintptr_t)slots;
-    k->positions = (int32_t *)(uintptr_t)positions;
-    k->row_sel = (int32_t *)(uintptr_t)row_sel;
+    if (guard) kiln_plan_guard_fill(k);
     Py_INCREF(pool);
     p->pool = pool;
-    Py_INCREF(keep);
-    p->keep = keep;
     return (PyObject *)p;
 }
 
 /* run(n_rows, n_out) -> (ns inside the native call, ns of it the caller spent waiting at barriers).
- * The caller has validated the per-row inputs; this checks them again, since a bad token id or
- * position would read or write outside the buffers. */
+ * The caller has validated the per-row inputs; kiln_plan_check_step checks them again, since a bad token
+ * id, slot or position would read or write outside the buffers. */
 static PyObject *plan_run(Plan *p, PyObject *args) {
     int n_rows, n_out;
     if (!PyArg_ParseTuple(args, "ii", &n_rows, &n_out)) return NULL;
     kiln_plan *k = &p->plan;
-    if (n_rows < 1 || n_rows > k->max_rows || n_out < 0 || n_out > n_rows)
-        return PyErr_Format(PyExc_ValueError, "plan run of %d rows (%d with logits) exceeds its %d rows", n_rows, n_out,
-                            k->max_rows);
-    for (int t = 0; t < n_rows; t++)
-        if (k->slots[t] < 0 || k->slots[t] >= k->n_slots || k->positions[t] < 0 || k->positions[t] >= k->n_ctx)
-            return PyErr_Format(PyExc_ValueError, "row %d: slot %d position %d outside %d slots x %d positions", t,
-                                k->slots[t], k->positions[t], k->n_slots, k->n_ctx);
-    for (int i = 0; i < n_out; i++)
-        if (k->row_sel[i] < 0 || k->row_sel[i] >= n_rows)
-            return PyErr_Format(PyExc_ValueError, "logits row %d selects row %d of %d", i, k->row_sel[i], n_rows);
+    char err[256];
+    if (kiln_plan_check_step(k, n_rows, n_out, err, sizeof err) < 0) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
     int64_t waited, t0, t1;
     Py_BEGIN_ALLOW_THREADS
     t0 = kiln_now_ns();
     waited = kiln_plan_run(k, n_rows, n_out);
     t1 = kiln_now_ns();
     Py_END_ALLOW_THREADS
+    if (k->overrun_op >= 0) {
+        const kiln_op *op = &k->ops[k->overrun_op];
+        if (k->overrun_gap >= 0)
+            PyErr_Format(PyExc_RuntimeError, "plan op %d (%s, layer %d) wrote past the end of an activation buffer, "
+                         "into the %zu guard bytes at %p", k->overrun_op, kiln_op_name(op->kind), op->layer,
+                         k->gaps[k->overrun_gap].nbytes, (void *)k->gaps[k->overrun_gap].data);
+        else
+            PyErr_Format(PyExc_RuntimeError, "plan op %d (%s, layer %d) wrote %s its %zu floats of scratch (thread %d)",
+                         k->overrun_op, kiln_op_name(op->kind), op->layer, k->overrun_after ? "past" : "before",
+                         k->op_scratch[k->overrun_op], k->overrun_thread);
+        kiln_plan_guard_fill(k);
+        return NULL;
+    }
     if (k->error) {
         errno = k->error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return Py_BuildValue("(LL)", (long long)(t1 - t0), (long long)waited);
+}
+
+/* undersize_scratch(op, floats): a guarded plan's op `op` gets `floats` fewer floats of scratch than its
+ * family asked for, so tests can show that the guard catches an op writing past its scratch. */
+static PyObject *plan_undersize_scratch(Plan *p, PyObject *args) {
+    int i;
+    Py_ssize_t floats;
+    if (!PyArg_ParseTuple(args, "in", &i, &floats)) return NULL;
+    kiln_plan *k = &p->plan;
+    if (!k->guard || i < 0 || i >= k->n_ops || floats < 0 || (size_t)floats > k->op_scratch[i])
+        return PyErr_Format(PyExc_ValueError, "undersize_scratch(%d, %zd): needs a guarded plan, an op and at most "
+                            "its scratch", i, floats);
+    k->op_scratch[i] -= (size_t)floats;
+    Py_RETURN_NONE;
 }
 
 static PyObject *plan_set_trace(Plan *p, PyObject *args) {
@@ -446,10 +550,21 @@ static PyMethodDef plan_methods[] = {
     {"set_trace", (PyCFunction)plan_set_trace, METH_VARARGS, "switch per-op timing on or off (and reset it)"},
     {"trace", (PyCFunction)plan_trace, METH_NOARGS, "per-op (ns, wait ns) totals and the run count"},
     {"timeline", (PyCFunction)plan_timeline, METH_NOARGS, "per-op (start ns, end ns) of the last traced run"},
+    {"undersize_scratch", (PyCFunction)plan_undersize_scratch, METH_VARARGS,
+     "undersize_scratch(op, floats): debug, a guarded plan's op gets less scratch than it needs"},
     {NULL}};
 
 static PyObject *plan_n_ops(Plan *p, void *c) { (void)c; return PyLong_FromLong(p->plan.n_ops); }
-static PyGetSetDef plan_getset[] = {{"n_ops", (getter)plan_n_ops, NULL, "ops per run", NULL}, {NULL}};
+static PyObject *plan_scratch(Plan *p, void *c) {
+    (void)c;
+    PyObject *t = PyTuple_New(p->plan.n_ops);
+    for (int i = 0; t && i < p->plan.n_ops; i++) PyTuple_SET_ITEM(t, i, PyLong_FromSize_t(p->plan.op_scratch[i]));
+    return t;
+}
+static PyGetSetDef plan_getset[] = {
+    {"n_ops", (getter)plan_n_ops, NULL, "ops per run", NULL},
+    {"scratch", (getter)plan_scratch, NULL, "per op, the floats of per-thread scratch it asked for", NULL},
+    {NULL}};
 
 static PyTypeObject PlanType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kiln._native.Plan",
@@ -476,7 +591,7 @@ static const struct {
     FIELD(act_fmt[2], 'i'), FIELD(act[0], 'p'), FIELD(act[1], 'p'), FIELD(act[2], 'p'),
     FIELD(w, 'p'), FIELD(w2, 'p'), FIELD(w_act, 'i'),
     FIELD(w2_act, 'i'), FIELD(bias, 'p'), FIELD(glu_act, 'i'), FIELD(table_w, 'p'), FIELD(table_w2, 'p'), FIELD(table_fd, 'i'), FIELD(table_offset, 'z'), FIELD(table_type, 'i'),
-    FIELD(table_row_bytes, 'z'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
+    FIELD(table_row_bytes, 'z'), FIELD(table_rows, 'i'), FIELD(n_heads, 'i'), FIELD(n_kv_heads, 'i'), FIELD(head_dim, 'i'),
     FIELD(window, 'i'), FIELD(wq, 'p'), FIELD(wk, 'p'), FIELD(wv, 'p'), FIELD(q_act, 'i'), FIELD(k_act, 'i'),
     FIELD(v_act, 'i'), FIELD(bq, 'p'), FIELD(bk, 'p'), FIELD(bv, 'p'), FIELD(qnorm.weight, 'p'),
     FIELD(qnorm.eps, 'f'), FIELD(knorm.weight, 'p'), FIELD(knorm.eps, 'f'), FIELD(rope.cos, 'p'),
@@ -509,13 +624,6 @@ static PyObject *py_store_half(PyObject *self, PyObject *args) {
     if (out) kiln_store_half(src.buf, (uint16_t *)PyBytes_AS_STRING(out), n);
     PyBuffer_Release(&src);
     return out;
-}
-
-static PyObject *py_attend_scratch(PyObject *self, PyObject *args) {
-    (void)self;
-    int n_queries, hd;
-    if (!PyArg_ParseTuple(args, "ii", &n_queries, &hd)) return NULL;
-    return PyLong_FromSize_t(kiln_attend_scratch(n_queries, hd));
 }
 
 static PyObject *py_qkv_chunks(PyObject *self, PyObject *args) {
@@ -573,7 +681,6 @@ static PyObject *py_file_checksum(PyObject *self, PyObject *args) {
 
 PyMethodDef plan_module_methods[] = {
     {"qkv_chunks", py_qkv_chunks, METH_VARARGS, "qkv_chunks(heads, per) -> chunks a QKV op runs in"},
-    {"attend_scratch", py_attend_scratch, METH_VARARGS, "attend_scratch(n_queries, head_dim) -> floats"},
     {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
     {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml_type, src, n) -> float32 bytes"},
@@ -594,7 +701,8 @@ int kiln_plan_add_types(PyObject *module) {
     static const struct { const char *name; int value; } constants[] = {
         {"OP_EMBED", OP_EMBED}, {"OP_NORM_QUANT", OP_NORM_QUANT}, {"OP_QUANT", OP_QUANT}, {"OP_QKV", OP_QKV},
         {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
-        {"OP_LOGITS", OP_LOGITS}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
+        {"OP_LOGITS", OP_LOGITS}, {"OPC_MATMUL", OPC_MATMUL}, {"OPC_ATTENTION", OPC_ATTENTION},
+        {"OPC_NORM", OPC_NORM}, {"OPC_HEAD", OPC_HEAD}, {"OPC_EMBED", OPC_EMBED}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
         {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
     };

@@ -5,8 +5,8 @@
  * The k largest logits: every block of 16 logits gets its maximum (one vector pass); the k-th largest of
  * those maxima is a floor the k-th largest logit cannot be below, so only the blocks reaching it — k of
  * them, give or take ties — go through a k-entry min-heap. The cost is one pass plus a few hundred heap
- * offers whatever the order of the logits (an earlier single pass with a rising floor took 1.5 ms on an
- * ascending vocabulary). */
+ * offers whatever the order of the logits (a single pass with a rising floor is slow on an ascending
+ * vocabulary: docs/PERF.md, "Sampling, the QKV op's end, the embedding table"). */
 #include "bindings.h"
 
 #include <math.h>

@@ -80,7 +80,7 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
                 weight_bytes += nbytes
                 tiles = layout["rows_padded"] // 4
                 m = re.match(r"blk\.(\d+)\.", name)
-                if layer is None and m and op["op_class"] not in (3, 4):
+                if layer is None and m and op["op_class"] not in (_native.OPC_HEAD, _native.OPC_EMBED):
                     layer = int(m[1])
         if kind in ("MATMUL", "GLU", "LOGITS"):
             chunks = -(-tiles // op["chunk_tiles"])
@@ -95,7 +95,7 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
             chunks = 1
         infos.append(OpInfo(i, kind, op["op_class"], layer, weight_bytes, chunks))
     for i in reversed(range(len(infos) - 1)):
-        if infos[i].layer is None and infos[i].kind in ("QUANT", "NORM_QUANT") and infos[i].op_class == 2:
+        if infos[i].layer is None and infos[i].kind in ("QUANT", "NORM_QUANT") and infos[i].op_class == _native.OPC_NORM:
             infos[i].layer = infos[i + 1].layer
     for i in range(1, len(infos)):
         if infos[i].layer is None and infos[i].kind == "NORM_ADD":

@@ -484,7 +484,7 @@ def check_dispatch(threads: int, quick: bool) -> Check:
     pool = _native.Pool(threads)
     inputs = _native.Arena(64)  # zeroed: token 0, slot 0, position 0
     base = inputs.address
-    empty = _native.Plan(b"", pool, (inputs,), 1, 1, 1, 1, base, base + 4, base + 8, base + 12)
+    empty = _native.Plan(b"", pool, {"inputs": inputs}, 1, 1, 1, 1, base, base + 4, base + 8, base + 12)
     call_ns = _per_call_ns(_native.noop)
     step_ns = _per_call_ns(empty.run, (1, 0))
     regions = 100 if quick else 400

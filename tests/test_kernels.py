@@ -212,7 +212,7 @@ def test_activation_quantizer_agrees_across_isas_at_every_width():
             results = {}
             for name in usable:
                 K.force_isa(name)
-                results[name] = (K.quantize_act(K.Format.Q8, x), *K.quantize_act_pair(K.Format.Q8, x[0]))
+                results[name] = (K.quantize_act(K.Format.Q8_0, x), *K.quantize_act_pair(K.Format.Q8_0, x[0]))
             for name in usable[1:]:
                 for a, b in zip(results[usable[0]], results[name]):
                     assert np.array_equal(a, b), ctx(f"cols {cols}", f"{usable[0]} vs {name}")
@@ -235,10 +235,10 @@ def test_precise_pair_quantizes_the_residual(cols, isa):
     rng = rng_for("pair", cols)
     eye = K.pack(QT.Q8_0, identity_q8(cols), cols, cols)
     for x in activations(QT.Q8_0, 3, cols, rng):
-        first, second = K.quantize_act_pair(K.Format.Q8, x)
-        assert np.array_equal(first, K.quantize_act(K.Format.Q8, x)), ctx(isa, cols, "first row")
+        first, second = K.quantize_act_pair(K.Format.Q8_0, x)
+        assert np.array_equal(first, K.quantize_act(K.Format.Q8_0, x)), ctx(isa, cols, "first row")
         v1 = K.matmul(eye, first, 1)[0]
-        assert np.array_equal(second, K.quantize_act(K.Format.Q8, x - v1)), ctx(isa, cols, "second row")
+        assert np.array_equal(second, K.quantize_act(K.Format.Q8_0, x - v1)), ctx(isa, cols, "second row")
         v2 = K.matmul(eye, second, 1)[0]
         # each block's pair carries ~15 bits: 1/127 of the first row's step, halved by rounding
         blocks = np.abs(x).reshape(-1, 32).max(1)
@@ -348,10 +348,10 @@ def test_pack_sizes_keep_gguf_density():
 def test_activation_buffers_are_shared_by_kind():
     kinds = {f: K.act_kind(f) for f in K.Format}
     assert {f for f, k in kinds.items() if k == K.ActKind.F32} == {K.Format.F32, K.Format.F16, K.Format.BF16}
-    assert K.act_size(K.Format.Q4, 576, 3) == K.act_size(K.Format.Q8, 576, 3) == 3 * 3 * 384
+    assert K.act_size(K.Format.Q4_1, 576, 3) == K.act_size(K.Format.Q8_0, 576, 3) == 3 * 3 * 384
     rng = rng_for("shared")
     x = activations(QT.Q8_0, 2, 512, rng)
-    assert np.array_equal(K.quantize_act(K.Format.Q4K, x), K.quantize_act(K.Format.Q8, x))
+    assert np.array_equal(K.quantize_act(K.Format.Q4_K, x), K.quantize_act(K.Format.Q8_0, x))
 
 
 def test_errors_are_reported():

@@ -112,7 +112,7 @@ def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
 @pytest.mark.parametrize("family,vocab", [("tiny-qwen2", 509), ("tiny-gemma3", 512)])
 def test_int8_head_runs_split(family, vocab, tmp_path, isa, monkeypatch):
     """A Q8_0 output head runs as its top 5 bits, then the low 3 for the logits near each row's best
-    (csrc/plan.c): those come out as the whole head gives them, the rest within the first pass's bound.
+    (csrc/op_logits.c): those come out as the whole head gives them, the rest within the first pass's bound.
     Both heads are tied, so the embedding rows unpack from the split pair too; 509 rows end in a partial
     tile. (Untied split heads run in the Q8_0 cases of the tests above and below.)"""
     head = "token_embd.weight"

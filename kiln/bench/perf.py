@@ -4,7 +4,7 @@ Tests: `pp N` (prefill of N random tokens from an empty cache, or after `-d` tok
 `tg N` (N decode steps, one token each; with `-b B`, B sequences decode side by side and the rate is
 their aggregate). Random token ids: no tokenization, no sampling, as llama-bench; each figure is the
 mean ± sd over `-r` repetitions after one warm-up. Random ids make flat next-token distributions, the
-output head's refinement at its most expensive (csrc/plan.c); `--tokens greedy` feeds each sequence its
+output head's refinement at its most expensive (csrc/op_logits.c); `--tokens greedy` feeds each sequence its
 own greedy continuation instead (from a random first token, the argmax not timed), whose peaked
 distributions are what generation sees. The JSON also says how much of each decode step was
 spent outside the native call (host time), the bytes a decode step reads (packed weights, embedding rows,

@@ -11,7 +11,8 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS
 
-Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead.
+Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead. Each op's
+scratch is C's to size (csrc/ops.h: every op family says what it needs).
 """
 
 from __future__ import annotations
@@ -83,12 +84,11 @@ class Lowering:
         self.values: dict[Node, Buf] = {}
         self.acts: dict[Node, dict[int, Buf]] = {}
         self.consumers: dict[Node, set[int]] = {}  # node → weight formats that read it
-        self.scratch_floats = 1
         self.logits: Buf | None = None
         self.hidden: Buf | None = None  # the final norm's output for the rows with logits (embeddings)
         # Inputs whose int8 quantization costs the most accuracy (those of the q/k/v projections, of the
         # down projection after the GLU, and of the output head) get precise two-row activations:
-        # see csrc/plan.c.
+        # see csrc/ops.h.
         self.precise: set[Node] = set()
 
     # ---- public ----------------------------------------------------------------------------------
@@ -138,16 +138,6 @@ class Lowering:
         by_size = max(1, 65536 // max(1, lay["tile_bytes"]))
         return max(1, min(by_balance, by_size))
 
-    def _scratch(self, floats: int) -> None:
-        self.scratch_floats = max(self.scratch_floats, floats)
-
-    def _quant_scratch(self, width: int, fmts: list[int], precise: bool) -> None:
-        """A quantize op's row on a pool thread: the normalized row, a residual row, and the quantized
-        bytes of each layout (two rows for a precise int8 layout)."""
-        row_bytes = sum(self.n.act_size(fmt, width, 2 if precise and self.n.act_kind(fmt) == self.n.ACT_KIND_Q8 else 1)
-                        for fmt in fmts)
-        self._scratch(2 * width + -(-row_bytes // 4))
-
     # ---- values and activations --------------------------------------------------------------------
     def value(self, node: Node) -> Buf:
         if node not in self.values:
@@ -166,13 +156,12 @@ class Lowering:
                     for kind, fmt in self._layouts(self.consumers.get(node, ())).items()}
             fields = self._act_fields(bufs, width)
             fields["precise"] = int(node in self.precise)
-            self._quant_scratch(width, [fmt for fmt, _ in bufs.values()], node in self.precise)
             if node.kind == "rmsnorm" and node.params["heads"] == 1:
-                self._emit(kind=self.n.OP_NORM_QUANT, op_class=2, **fields, in_=self.value(node.inputs[0]),
+                self._emit(kind=self.n.OP_NORM_QUANT, op_class=self.n.OPC_NORM, **fields, in_=self.value(node.inputs[0]),
                            out=self._floats(width), norm_w=self.weights.vector(node.params["weight"]),
                            eps=node.params["eps"])
             else:
-                self._emit(kind=self.n.OP_QUANT, op_class=2, **fields, in_=self.value(node))
+                self._emit(kind=self.n.OP_QUANT, op_class=self.n.OPC_NORM, **fields, in_=self.value(node))
             self.acts[node] = bufs
         return self.acts[node]
 
@@ -206,17 +195,17 @@ class Lowering:
     def _value_embed(self, node: Node) -> Buf:
         out = self._floats(self.cfg.dim)
         name = node.params["table"]
-        self._scratch(self.cfg.dim)  # the caller reads a table row into its scratch
         if self.weights.has_matrix(name):  # tied to the output head: its packed rows, already in memory
             ggml_type, row_bytes = self.weights.row_format(name)
             lo = self.weights.remainder(name)
             source = {"table_w": self.weights.matrix(name).address, "table_w2": lo.address if lo else None,
-                      "table_fd": -1, "table_type": ggml_type, "table_row_bytes": row_bytes}
+                      "table_fd": -1, "table_type": ggml_type, "table_row_bytes": row_bytes,
+                      "table_rows": self.weights.matrix(name).layout["rows"]}
         else:
             table = self.weights.table(name)
             source = {"table_fd": table.fd, "table_offset": table.offset, "table_type": table.ggml_type,
-                      "table_row_bytes": table.row_bytes}
-        self._emit(kind=self.n.OP_EMBED, op_class=4, cols=self.cfg.dim, out=out, scale=node.params["scale"], **source)
+                      "table_row_bytes": table.row_bytes, "table_rows": table.rows}
+        self._emit(kind=self.n.OP_EMBED, op_class=self.n.OPC_EMBED, cols=self.cfg.dim, out=out, scale=node.params["scale"], **source)
         return out
 
     def _value_add(self, node: Node) -> Buf:
@@ -228,7 +217,7 @@ class Lowering:
         elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear":
             tmp = self._floats(self.cfg.dim)
             self._matmul(branch.inputs[0], tmp, None)
-            self._emit(kind=self.n.OP_NORM_ADD, op_class=2, cols=self.cfg.dim, in_=tmp, res=res, out=out,
+            self._emit(kind=self.n.OP_NORM_ADD, op_class=self.n.OPC_NORM, cols=self.cfg.dim, in_=tmp, res=res, out=out,
                        norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
         else:
             raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
@@ -241,8 +230,7 @@ class Lowering:
         fields = self._act_fields(acts, self._width(linear.inputs[0]))
         precise = linear.inputs[0] in self.precise
         chunk = self._chunk_tiles(w)
-        self._scratch((2 if precise else 1) * self.rows * chunk * 4)
-        self._emit(kind=self.n.OP_MATMUL, op_class=0, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
+        self._emit(kind=self.n.OP_MATMUL, op_class=self.n.OPC_MATMUL, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
                    out=out, res=res, chunk_tiles=chunk, precise=int(precise))
 
     def _value_glu(self, node: Node) -> Buf:
@@ -252,9 +240,8 @@ class Lowering:
         rows = gate.layout["rows"]
         out = self._floats(rows)
         chunk = min(self._chunk_tiles(gate), self._chunk_tiles(up))
-        self._scratch(2 * self.rows * chunk * 4)
         act = {"silu": self.n.ACT_SILU, "gelu_tanh": self.n.ACT_GELU_TANH}[node.params["act"]]
-        self._emit(kind=self.n.OP_GLU, op_class=0, **self._act_fields(acts, self._width(node.inputs[0])), rows=rows,
+        self._emit(kind=self.n.OP_GLU, op_class=self.n.OPC_MATMUL, **self._act_fields(acts, self._width(node.inputs[0])), rows=rows,
                    w=gate.address, w2=up.address, w_act=gi, w2_act=ui, glu_act=act, out=out, chunk_tiles=chunk)
         return out
 
@@ -285,21 +272,16 @@ class Lowering:
             if lin.params["bias"] is not None:
                 index[f"b{name}"] = self.weights.vector(lin.params["bias"])
         # Chunks of several heads, two per thread: each is one longer streaming pass over a matrix (one
-        # 64-wide head of a 576-wide Q4_1 matrix is only 23 KB). Against a head per chunk: SmolLM2's
-        # decode spends 10% less time in this op, the Qwen3-0.6B shape 6%.
+        # 64-wide head of a 576-wide Q4_1 matrix is only 23 KB); docs/PERF.md, "QKV chunks of several heads".
         heads = attn.n_heads + 2 * attn.n_kv_heads
         chunk_heads = -(-heads // (2 * self.threads))
-        self._scratch(2 * self.rows * chunk_heads * hd + hd)
         common = dict(layer=layer, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=hd, q=q,
                       k_cache=k_cache, v_cache=v_cache)
-        self._emit(kind=self.n.OP_QKV, op_class=0, **fields, **index, **norms, **common, precise=int(h in self.precise),
+        self._emit(kind=self.n.OP_QKV, op_class=self.n.OPC_MATMUL, **fields, **index, **norms, **common, precise=int(h in self.precise),
                    chunk_heads=chunk_heads,
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
-        group = attn.n_heads // attn.n_kv_heads
-        queries = self.n.ATTN_BLOCK * group
-        self._scratch(queries * (hd + 2) + self.n.attend_scratch(queries, hd))  # (o, m, l), then the kernel's
-        self._emit(kind=self.n.OP_ATTN, op_class=1, **common, out=out, scale=attn.scale, window=attn.window or 0,
+        self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
         return out
 
@@ -324,26 +306,23 @@ class Lowering:
         width = self._width(x)
         act = Buf(self.n.act_size(fmt, width, 2 * self.out_rows))
         fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act, "precise": 1}
-        self._quant_scratch(width, [fmt], True)
         self.hidden = self._floats(width, self.out_rows)
-        self._emit(kind=self.n.OP_NORM_QUANT, op_class=3, **fields, select_rows=1, in_=self.value(x.inputs[0]),
+        self._emit(kind=self.n.OP_NORM_QUANT, op_class=self.n.OPC_HEAD, **fields, select_rows=1, in_=self.value(x.inputs[0]),
                    out=self.hidden, norm_w=self.weights.vector(x.params["weight"]),
                    eps=x.params["eps"])
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
-        # logits of a chunk and each row's largest, then (refining) the list of its tiles to refine and,
-        # for a split head, its low bits' share of the whole chunk when that is streamed for every row
         lo = self.weights.remainder(node.params["weight"])
-        self._scratch((2 if lo else 1) * self.out_rows * self._chunk_tiles(w) * 4 + self.out_rows
-                      + self._chunk_tiles(w) + 1)
         split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
-        self._emit(kind=self.n.OP_LOGITS, op_class=3, **fields, **split, rows=vocab, w=w.address, w_act=0,
+        self._emit(kind=self.n.OP_LOGITS, op_class=self.n.OPC_HEAD, **fields, **split, rows=vocab, w=w.address, w_act=0,
                    out=self.logits, chunk_tiles=self._chunk_tiles(w))
 
 
-def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64) -> int:
-    """Give every Buf an arena offset; return the arena size. With `reuse`, a buffer's bytes go back
-    to a free list (by exact size) after the last op that touches it."""
+def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64,
+                   guard: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    """Give every Buf an arena offset; return the arena size and the (offset, bytes) past each buffer that
+    no op may write: its alignment padding and `guard` bytes more (a guarded plan's). With `reuse`, a
+    buffer's bytes go back to a free list (by exact size) after the last op that touches it."""
     first, last, order = {}, {}, []
     for i, op in enumerate(ops):
         for v in op.values():
@@ -356,7 +335,7 @@ def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 
         if id(b) not in first:
             order.append(b)
         first[id(b)], last[id(b)] = first.get(id(b), 0), len(ops)  # read by the caller after the run
-    size, free = 0, {}
+    size, free, gaps = 0, {}, set()
     releases: dict[int, list[Buf]] = {}
     for b in order:
         start = first[id(b)]
@@ -369,9 +348,10 @@ def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 
             b.offset = slot.pop()
         else:
             b.offset = size
-            size += -(-b.nbytes // align) * align
+            size += -(-(b.nbytes + guard) // align) * align
         releases.setdefault(last[id(b)], []).append(b)
-    return size
+        gaps.add((b.offset + b.nbytes, -(-(b.nbytes + guard) // align) * align - b.nbytes))
+    return size, sorted(g for g in gaps if g[1])
 
 
 def encode_ops(native, ops: list[dict], base: int) -> bytes:

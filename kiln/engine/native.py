@@ -35,6 +35,7 @@ try:
 except ImportError:  # the extension did not build: the oracle engine still runs
     _native = None
 
+GUARD_BYTES = 64  # a guarded plan's guard past each activation buffer
 CACHE_VERSION = 6  # bumped whenever a packed layout (or the cache's index) changes
 
 
@@ -72,6 +73,7 @@ class Table:
     offset: int
     ggml_type: int
     row_bytes: int
+    rows: int
 
 
 def warm_page_cache(fd: int, offset: int, nbytes: int) -> None:
@@ -101,7 +103,7 @@ class PackedWeights:
 
     def __init__(self, gguf: GGUFFile, names: list[str], cache_dir: Path | None, split: set[str] = frozenset(),
                  gguf_sha256: str | None = None):
-        """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/plan.c)."""
+        """`split`: matrices to pack as a split int8 head where they are Q8_0 (csrc/op_logits.c)."""
         self.gguf = gguf
         self.vectors: dict[str, np.ndarray] = {}
         self.tables: dict[str, Table] = {}
@@ -170,7 +172,7 @@ class PackedWeights:
         return self.mats[name]
 
     def remainder(self, name: str):
-        """A split head's low bits (csrc/plan.c), or None for a matrix packed whole."""
+        """A split head's low bits (csrc/op_logits.c), or None for a matrix packed whole."""
         return self.remainders.get(name)
 
     def has_matrix(self, name: str) -> bool:
@@ -195,7 +197,7 @@ class PackedWeights:
         if name not in self.tables:
             t = self.gguf.info(name)
             ggml_type, row_bytes = self.row_format(name)
-            self.tables[name] = Table(self.gguf.fileno(), t.offset, ggml_type, row_bytes)
+            self.tables[name] = Table(self.gguf.fileno(), t.offset, ggml_type, row_bytes, t.shape[0])
             warm_page_cache(self.gguf.fileno(), t.offset, t.nbytes)
         return self.tables[name]
 
@@ -288,7 +290,9 @@ class StepStats:
 class NativePlan:
     """One compiled plan with an arena of activations and per-row inputs: its own, or `arena` when that is
     large enough (plans that never run at once share one). Buffers are reused once dead, unless `keep_all`
-    (for reading every layer's output afterwards)."""
+    (for reading every layer's output afterwards). C sizes each op's scratch, and checks every address an
+    op holds against the buffers named in `buffers` (csrc/plan_check.c); a guarded engine's plans put guard
+    words around each op's scratch and after each activation buffer, and a step that writes past them fails."""
 
     def __init__(self, engine: "NativeEngine", root, rows: int, out_rows: int, keep_all: bool = False,
                  arena=None):
@@ -297,7 +301,8 @@ class NativePlan:
                        e.negate_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
-        size = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all)
+        size, gaps = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all,
+                                    guard=GUARD_BYTES if e.guard else 0)
         self.arena = arena if arena is not None and arena.nbytes >= size else _native.Arena(size, huge=False)
         base = self.arena.address
         whole = np.frombuffer(self.arena, dtype=np.uint8)
@@ -310,9 +315,24 @@ class NativePlan:
         self.hidden = whole[low.hidden.offset : low.hidden.offset + low.hidden.nbytes].view(np.float32).reshape(-1, dim)
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
-        self.plan = _native.Plan(encode_ops(_native, low.ops, base), e.pool, (self.arena, e.weights, e.kv_arena,
-                                 e.ropes, low), rows, e.kv_ctx, e.n_slots, low.scratch_floats,
-                                 *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")))
+        self.encoded = encode_ops(_native, low.ops, base)
+        self.buffers = plan_buffers(e, self.arena)
+        self.guard_gaps = np.array([(base + o, n) for o, n in gaps] if e.guard else [], np.uint64).tobytes()
+        self.plan = _native.Plan(self.encoded, e.pool, self.buffers, rows, out_rows, e.kv_ctx, e.n_slots,
+                                 *(base + inputs[k].offset for k in ("tokens", "slots", "positions", "row_sel")),
+                                 guard=e.guard, guard_gaps=self.guard_gaps)
+
+
+def plan_buffers(engine: "NativeEngine", activations) -> dict:
+    """Every buffer and matrix a plan's ops point into, by name: what C holds each op's addresses against."""
+    w = engine.weights
+    buffers = {"activations": activations, "kv cache": engine.kv_arena, "weights": w.arena}
+    buffers.update(w.mats)
+    buffers.update({f"{name} (low bits)": m for name, m in w.remainders.items()})
+    buffers.update(w.vectors)
+    for i, (cos, sin) in enumerate(engine.ropes.values()):
+        buffers[f"rope {i} cos"], buffers[f"rope {i} sin"] = cos, sin
+    return buffers
 
 
 class NativeEngine:
@@ -320,7 +340,8 @@ class NativeEngine:
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
                  cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
-                 gguf_sha256: str | None = None):
+                 gguf_sha256: str | None = None, guard: bool = False):
+        """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests."""
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
@@ -343,6 +364,7 @@ class NativeEngine:
         rows = max(prefill_rows, max_batch + 1)
         self.limits = Limits(rows=rows, batch=max_batch, out_rows=min(max_out, rows))
         self.negate_layer: int | None = None
+        self.guard = guard or os.environ.get("KILN_GUARD") == "1"
         self._root = root
         self._compile()
         self.stats = StepStats()

@@ -28,7 +28,7 @@ Gemma 3). From it NLL(base), Δp and same-top-1 are exact; KLD is computed over 
 for the rest, which by the data-processing inequality is a lower bound on the exact KLD. How close
 depends on k and on where the engine errs: native kiln against the oracle on SmolLM2 over Moby-Dick
 (4 windows of 512), k = 1024 recovers 70% of the exact KLD and 4096 87%, because the split output head
-(csrc/plan.c) leaves its small errors on the logits far below the best (with the head whole, k = 1024
+(csrc/op_logits.c) leaves its small errors on the logits far below the best (with the head whole, k = 1024
 recovered 96% and 4096 99%). A live run computes KLD exactly.
 """
 

@@ -17,24 +17,12 @@ from kiln import _native
 ISAS = ("generic", "avx2", "avx512")
 
 
-class Format(IntEnum):
-    """Kernel weight formats (kiln_wfmt)."""
-
-    F32 = 0
-    F16 = 1
-    BF16 = 2
-    Q4 = 3  # Q4_1
-    Q4K = 4
-    Q5 = 5  # Q5_0
-    Q5K = 6
-    Q8 = 7  # Q8_0
-    Q6K = 8
-    Q4S = 9  # Q4_0
-
-
-class ActKind(IntEnum):
-    F32 = 0  # float formats: fp32 rows
-    Q8 = 1  # integer formats: int8 per 32-block with scales and sums
+_FORMATS, _ACT_KINDS = _native.kernel_formats()
+# Kernel weight formats (kiln_wfmt), named as csrc/kernels.h names them.
+Format = IntEnum("Format", _FORMATS)
+# Activation layouts (act.h): F32, fp32 rows for the float formats; Q8, int8 per 32-block with scales and
+# sums for the integer ones.
+ActKind = IntEnum("ActKind", _ACT_KINDS)
 
 
 def _isa_index(name: str) -> int:
@@ -111,7 +99,7 @@ def unpack_row(w: PackedMatrix, ggml_type: int, row: int) -> np.ndarray:
 
 def split_q8_0(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A Q8_0 tensor's GGUF bytes split into its top 5 bits (Q5_0, scale 8d) and low 3 bits (Q4_0), each
-    (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/plan.c)."""
+    (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/op_logits.c)."""
     halves = _native.split_q8_0(np.ascontiguousarray(raw))
     return None if halves is None else tuple(np.frombuffer(h, np.uint8).reshape(rows, -1) for h in halves)
 
