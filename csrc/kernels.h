@@ -73,7 +73,8 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
+/* ISA_AMX is AVX-512 with the AMX-INT8 tiles for many-token integer matmuls (kern_amx.c). */
+typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } kiln_isa;
 /* WF_Q4S is last so the other values keep the numbering the executor was written against. */
 typedef enum { WF_F32, WF_F16, WF_BF16, WF_Q4, WF_Q4K, WF_Q5, WF_Q5K, WF_Q8, WF_Q6K, WF_Q4S, WF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
@@ -86,7 +87,7 @@ typedef struct {
 
 /* ---- ISA (cpu.c) ---- */
 kiln_isa kiln_detect_isa(void); /* best the CPU supports */
-/* Detected, or forced by env KILN_ISA=generic|avx2|avx512 or kiln_force_isa(). An unusable KILN_ISA
+/* Detected, or forced by env KILN_ISA=generic|avx2|avx512|amx or kiln_force_isa(). An unusable KILN_ISA
    leaves the detected ISA active and kiln_isa_error() says why. */
 kiln_isa kiln_active_isa(void);
 int kiln_force_isa(kiln_isa isa);          /* 0, or -1 if the CPU lacks it */
@@ -223,4 +224,8 @@ void kiln_quantize_act_pair_avx2(kiln_wfmt fmt, const float *x, int cols, void *
 uint64_t kiln_mem_read_avx2(const void *p, size_t size);
 void kiln_block_maxima_avx2(const float *x, int blocks, float *best); /* top-k's pass over blocks of 16 */
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+/* From this many tokens an integer matmul runs on AMX tiles (a call unpacks its weights once for all
+   of them); fewer go to the AVX-512 kernel. Either gives the same bits. */
+#define KILN_AMX_MIN_TOKENS 16
+void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 #endif

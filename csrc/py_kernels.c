@@ -24,7 +24,7 @@ static PyObject *py_isa_error(PyObject *self, PyObject *args) {
 
 static int isa_arg(PyObject *args, int *isa) {
     if (!PyArg_ParseTuple(args, "i", isa)) return -1;
-    if (*isa < ISA_GENERIC || *isa > ISA_AVX512) {
+    if (*isa < ISA_GENERIC || *isa > ISA_AMX) {
         PyErr_Format(PyExc_ValueError, "unknown ISA %d", *isa);
         return -1;
     }
@@ -336,7 +336,7 @@ static PyObject *py_mem_read(PyObject *self, PyObject *args) {
 }
 
 PyMethodDef kernel_methods[] = {
-    {"isa_detect", py_isa_detect, METH_NOARGS, "Best ISA the CPU supports (0 generic, 1 avx2, 2 avx512)."},
+    {"isa_detect", py_isa_detect, METH_NOARGS, "Best ISA the CPU supports (0 generic, 1 avx2, 2 avx512, 3 amx)."},
     {"isa_active", py_isa_active, METH_NOARGS, "ISA the kernels dispatch to."},
     {"isa_error", py_isa_error, METH_NOARGS, "Why KILN_ISA could not be honoured, or None."},
     {"isa_missing", py_isa_missing, METH_VARARGS, "First CPU feature an ISA needs that is missing, or None."},

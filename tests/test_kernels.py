@@ -377,7 +377,7 @@ def test_errors_are_reported():
                 K.force_isa(name)
 
 
-@pytest.mark.parametrize("value,expect", [("generic", "generic"), ("bogus", "expected generic, avx2 or avx512")])
+@pytest.mark.parametrize("value,expect", [("generic", "generic"), ("bogus", "expected generic, avx2, avx512 or amx")])
 def test_kiln_isa_environment(value, expect):
     code = "from kiln.native import kernels as K\ntry:\n    print(K.active_isa())\nexcept RuntimeError as e:\n    print(e)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_ISA": value}, capture_output=True, text=True)
