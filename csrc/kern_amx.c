@@ -92,19 +92,26 @@ ALWAYS __m512i idx16(const int *v) { return _mm512_loadu_si512((const void *)v);
 
 /* ---- activations: lane order -> natural order, [token][block][32] ---- */
 
-/* 8 x 8 dword transpose of one full group's quants (chunk k, block j -> block j, chunk k). */
+ALWAYS void store_blocks(uint8_t *out, __m512i v) { /* blocks 2p and 2p+1, one A tile apart */
+    _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(v));
+    _mm256_storeu_si256((__m256i *)(out + 512), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* 8 x 8 dword transpose of one full group's quants (chunk k, block j -> block j, chunk k); block j's 32
+   bytes to out + j * 512. */
 ALWAYS void group_natural(const uint8_t *ag, uint8_t *out, __m512i lo, __m512i hi, __m512i even, __m512i odd) {
     __m512i w0 = ld512(ag), w1 = ld512(ag + 64), w2 = ld512(ag + 128), w3 = ld512(ag + 192);
     __m512i plo = _mm512_permutex2var_epi32(w0, lo, w1), phi = _mm512_permutex2var_epi32(w0, hi, w1);
     __m512i qlo = _mm512_permutex2var_epi32(w2, lo, w3), qhi = _mm512_permutex2var_epi32(w2, hi, w3);
-    _mm512_storeu_si512(out, _mm512_permutex2var_epi32(plo, even, qlo));
-    _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi32(plo, odd, qlo));
-    _mm512_storeu_si512(out + 128, _mm512_permutex2var_epi32(phi, even, qhi));
-    _mm512_storeu_si512(out + 192, _mm512_permutex2var_epi32(phi, odd, qhi));
+    store_blocks(out, _mm512_permutex2var_epi32(plo, even, qlo));
+    store_blocks(out + 1024, _mm512_permutex2var_epi32(plo, odd, qlo));
+    store_blocks(out + 2048, _mm512_permutex2var_epi32(phi, even, qhi));
+    store_blocks(out + 3072, _mm512_permutex2var_epi32(phi, odd, qhi));
 }
 
-/* The first n tokens of `act` into x: n rows (padded with zeros to whole A tiles) of nblk * 32 bytes; and
-   when shift >= 0 each block's offset sum32 << shift into xo[token][block]. */
+/* The first n tokens of `act` into x as A tiles, x[token / 16][block][token % 16][32] (natural order; the
+   last tile's missing tokens zero); and when shift >= 0 each block's offset sum32 << shift into
+   xo[token][block]. */
 static void layout_act(const uint8_t *act, size_t stride, int cols, int n, uint8_t *x, int nblk, int shift, int32_t *xo) {
     int lo[16], hi[16], even[16], odd[16];
     for (int e = 0; e < 16; e++) {
@@ -117,25 +124,24 @@ static void layout_act(const uint8_t *act, size_t stride, int cols, int n, uint8
     }
     __m512i vlo = idx16(lo), vhi = idx16(hi), veven = idx16(even), vodd = idx16(odd);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
-    size_t row = (size_t)nblk * 32;
+    int padded = (n + TOK_BLOCK - 1) / TOK_BLOCK * TOK_BLOCK;
+    if (padded > n) memset(x + (size_t)(n / TOK_BLOCK) * nblk * 512, 0, (size_t)nblk * 512);
     for (int t = 0; t < n; t++) {
         const uint8_t *a = act + (size_t)t * stride;
-        uint8_t *xt = x + t * row;
+        uint8_t *xt = x + (size_t)(t / TOK_BLOCK) * nblk * 512 + (t % TOK_BLOCK) * 32; /* block blk at xt + blk * 512 */
         if (shift >= 0)
             for (int blk = 0; blk < nblk; blk++) {
                 int32_t sum;
                 memcpy(&sum, a + (size_t)(blk / 8) * KILN_AG_BYTES + KILN_AG_SUM32 + 4 * (blk % 8), 4);
                 xo[(size_t)t * nblk + blk] = (int32_t)((uint32_t)sum << shift);
             }
-        for (int g = 0; g < G; g++) group_natural(a + (size_t)g * KILN_AG_BYTES, xt + g * 256, vlo, vhi, veven, vodd);
+        for (int g = 0; g < G; g++) group_natural(a + (size_t)g * KILN_AG_BYTES, xt + (size_t)g * 8 * 512, vlo, vhi, veven, vodd);
         if (nt) { /* a short group (a shared tail's blocks 0 and 1 are in full-group order) */
             const uint8_t *ag = a + (size_t)G * KILN_AG_BYTES;
             for (int j = 0; j < nt; j++)
-                for (int i = 0; i < 32; i++) xt[G * 256 + 32 * j + i] = ag[kiln_act_byte(nt, j, i)];
+                for (int i = 0; i < 32; i++) xt[(size_t)(8 * G + j) * 512 + i] = ag[kiln_act_byte(nt, j, i)];
         }
     }
-    int padded = (n + TOK_BLOCK - 1) / TOK_BLOCK * TOK_BLOCK;
-    memset(x + n * row, 0, (size_t)(padded - n) * row);
 }
 
 /* ---- weights: 16 rows -> B tiles [block][k4][row][4] and scales ---- */
@@ -293,36 +299,31 @@ ALWAYS __m512 reduce8(const __m512 *a) {
         _tile_stored(c, cb, ld); \
     } while (0)
 
-/* Phase 1: every block's tile product for tokens [t, t + 16), into cb[token][block][16 rows] (Q6_K: its two
+/* Blocks [blk0, blk1)'s tile products for tokens [t, t + 16), into cb[token][block][16 rows] (Q6_K: its two
    halves, the second in cb2). Consecutive blocks use different tiles, so the products overlap. */
-ALWAYS void token_block_products(kiln_wfmt f, const uint8_t *x, int nblk, const uint8_t *b, int t, int32_t *cb, int32_t *cb2) {
-    const size_t ld_x = (size_t)nblk * 32, ld_c = (size_t)nblk * 64;
-    const uint8_t *xt = x + (size_t)t * ld_x;
-    if (f == WF_Q6K) {
-        int blk = 0;
-        for (; blk + 2 <= nblk; blk += 2) {
-            const uint8_t *xa = xt + (size_t)blk * 32, *wb = b + (size_t)blk * 512;
-            BLOCK_PRODUCT(0, 4, 6, xa, wb, cb + blk * 16, ld_c);
-            BLOCK_PRODUCT(1, 5, 7, xa + 16, wb + 256, cb2 + blk * 16, ld_c);
-            BLOCK_PRODUCT(2, 4, 6, xa + 32, wb + 512, cb + (blk + 1) * 16, ld_c);
-            BLOCK_PRODUCT(3, 5, 7, xa + 48, wb + 768, cb2 + (blk + 1) * 16, ld_c);
+ALWAYS void block_products(kiln_wfmt f, const uint8_t *x, int nblk, const uint8_t *b, int t, int32_t *cb, int32_t *cb2, int blk0, int blk1) {
+    const size_t ld_x = 32, ld_c = 64;
+    const uint8_t *xt = x + (size_t)(t / TOK_BLOCK) * nblk * 512;
+    for (int blk = blk0; blk < blk1; blk++) {
+        const uint8_t *xa = xt + (size_t)blk * 512, *wb = b + (size_t)blk * 512;
+        int32_t *c = cb + blk * 256, *c2 = cb2 + blk * 256;
+        if (f == WF_Q6K) {
+            if (blk & 1) {
+                BLOCK_PRODUCT(2, 4, 6, xa, wb, c, ld_c);
+                BLOCK_PRODUCT(3, 5, 7, xa + 16, wb + 256, c2, ld_c);
+            } else {
+                BLOCK_PRODUCT(0, 4, 6, xa, wb, c, ld_c);
+                BLOCK_PRODUCT(1, 5, 7, xa + 16, wb + 256, c2, ld_c);
+            }
+            continue;
         }
-        for (; blk < nblk; blk++) {
-            const uint8_t *xa = xt + (size_t)blk * 32, *wb = b + (size_t)blk * 512;
-            BLOCK_PRODUCT(0, 4, 6, xa, wb, cb + blk * 16, ld_c);
-            BLOCK_PRODUCT(1, 5, 7, xa + 16, wb + 256, cb2 + blk * 16, ld_c);
+        switch (blk & 3) {
+        case 0: BLOCK_PRODUCT(0, 4, 6, xa, wb, c, ld_c); break;
+        case 1: BLOCK_PRODUCT(1, 5, 7, xa, wb, c, ld_c); break;
+        case 2: BLOCK_PRODUCT(2, 4, 6, xa, wb, c, ld_c); break;
+        default: BLOCK_PRODUCT(3, 5, 7, xa, wb, c, ld_c);
         }
-        return;
     }
-    int blk = 0;
-    for (; blk + 4 <= nblk; blk += 4) {
-        const uint8_t *xa = xt + (size_t)blk * 32, *wb = b + (size_t)blk * 512;
-        BLOCK_PRODUCT(0, 4, 6, xa, wb, cb + blk * 16, ld_c);
-        BLOCK_PRODUCT(1, 5, 7, xa + 32, wb + 512, cb + (blk + 1) * 16, ld_c);
-        BLOCK_PRODUCT(2, 4, 6, xa + 64, wb + 1024, cb + (blk + 2) * 16, ld_c);
-        BLOCK_PRODUCT(3, 5, 7, xa + 96, wb + 1536, cb + (blk + 3) * 16, ld_c);
-    }
-    for (; blk < nblk; blk++) BLOCK_PRODUCT(0, 4, 6, xt + (size_t)blk * 32, b + (size_t)blk * 512, cb + blk * 16, ld_c);
 }
 
 /* One block's step for one token: the integer sum (offsets and sub-block scales as kern_generic.c), then
@@ -356,20 +357,20 @@ ALWAYS void token_outputs(kiln_wfmt f, const int32_t *cu, const int32_t *cu2, co
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             int blk = 8 * g + j;
-            acc[j] = block_step(f, cu + blk * 16, cu2 + blk * 16, s + blk, ag, j, xo[blk], acc[j]);
+            acc[j] = block_step(f, cu + blk * 256, cu2 + blk * 256, s + blk, ag, j, xo[blk], acc[j]);
         }
     }
     __m512 out;
     const uint8_t *ag = a + (size_t)G * KILN_AG_BYTES;
     if (nt && kiln_shared_tail(nt)) { /* lanes 2r, 2r+1 of the tiles' shared group, from zero */
-        __m512 t0 = block_step(f, cu + 8 * G * 16, cu2, s + 8 * G, ag, 0, xo[8 * G], _mm512_setzero_ps());
-        __m512 t1 = block_step(f, cu + (8 * G + 1) * 16, cu2, s + 8 * G + 1, ag, 1, xo[8 * G + 1], _mm512_setzero_ps());
+        __m512 t0 = block_step(f, cu + 8 * G * 256, cu2, s + 8 * G, ag, 0, xo[8 * G], _mm512_setzero_ps());
+        __m512 t1 = block_step(f, cu + (8 * G + 1) * 256, cu2, s + 8 * G + 1, ag, 1, xo[8 * G + 1], _mm512_setzero_ps());
         out = _mm512_add_ps(reduce8(acc), _mm512_add_ps(t0, t1));
     } else {
         if (nt) {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
-                if (j < nt) acc[j] = block_step(f, cu + (8 * G + j) * 16, cu2 + (8 * G + j) * 16, s + 8 * G + j, ag, j, xo[8 * G + j], acc[j]);
+                if (j < nt) acc[j] = block_step(f, cu + (8 * G + j) * 256, cu2 + (8 * G + j) * 256, s + 8 * G + j, ag, j, xo[8 * G + j], acc[j]);
         }
         out = reduce8(acc);
     }
@@ -381,13 +382,14 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
     int nblk = w->cols / 32, run_tok = n_tok < TOK_RUN ? n_tok : TOK_RUN;
     size_t xbytes = (size_t)(run_tok + TOK_BLOCK - 1) / TOK_BLOCK * TOK_BLOCK * nblk * 32, obytes = ((size_t)run_tok * nblk * 4 + 63) / 64 * 64;
     size_t bbytes = (size_t)nblk * 512, sbytes = sizeof(wscale) * nblk, work = 16 * 256, cbytes = (size_t)TOK_BLOCK * nblk * 64;
-    uint8_t *mem = thread_scratch(xbytes + obytes + bbytes + sbytes + work + 2 * cbytes);
+    uint8_t *mem = thread_scratch(xbytes + obytes + bbytes + sbytes + work + 4 * cbytes);
     if (!mem) { /* no memory for the tile layouts: the same results from the AVX-512 kernel */
         kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1);
         return;
     }
     uint8_t *x = mem, *b = x + xbytes + obytes, *wk = b + bbytes + sbytes;
-    int32_t *xo = (int32_t *)(x + xbytes), *cb = (int32_t *)(wk + work), *cb2 = cb + cbytes / 4;
+    int32_t *xo = (int32_t *)(x + xbytes), *cb = (int32_t *)(wk + work); /* 2 x (block sums, Q6_K's second halves) */
+    size_t cwords = cbytes / 4;
     wscale *s = (wscale *)(b + bbytes);
     load_config(f == WF_Q6K ? 16 : 32);
     for (int t0 = 0; t0 < n_tok; t0 += TOK_RUN) {
@@ -399,11 +401,18 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
             int nrows = w->rows - 4 * ti, last = 4 * (tile1 - ti); /* rows of this call's tiles in the slab */
             if (nrows > last) nrows = last;
             __mmask16 keep = nrows >= 16 ? 0xffff : (__mmask16)((1u << nrows) - 1);
+            /* The next token block's products are issued between this one's outputs: the tile unit and the
+               vector units then work at once (alternate buffers). */
+            block_products(f, x, nblk, b, 0, cb, cb + cwords, 0, nblk);
             for (int t = 0; t < n; t += TOK_BLOCK) {
-                token_block_products(f, x, nblk, b, t, cb, cb2);
-                for (int u = 0; u < TOK_BLOCK && t + u < n; u++)
-                    token_outputs(f, cb + (size_t)u * nblk * 16, cb2 + (size_t)u * nblk * 16, s, a0 + (size_t)(t + u) * stride,
-                                  xo + (size_t)(t + u) * nblk, w->cols, y + (size_t)(t0 + t + u) * ldy + 4 * ti, keep);
+                int cur = t / TOK_BLOCK & 1, next = t + TOK_BLOCK < n;
+                int32_t *c = cb + cur * 2 * cwords, *c2 = c + cwords, *nc = cb + (cur ^ 1) * 2 * cwords;
+                for (int u = 0; u < TOK_BLOCK; u++) {
+                    if (next) block_products(f, x, nblk, b, t + TOK_BLOCK, nc, nc + cwords, u * nblk / TOK_BLOCK, (u + 1) * nblk / TOK_BLOCK);
+                    if (t + u < n)
+                        token_outputs(f, c + (size_t)u * 16, c2 + (size_t)u * 16, s, a0 + (size_t)(t + u) * stride,
+                                      xo + (size_t)(t + u) * nblk, w->cols, y + (size_t)(t0 + t + u) * ldy + 4 * ti, keep);
+                }
             }
         }
     }

@@ -226,6 +226,6 @@ void kiln_block_maxima_avx2(const float *x, int blocks, float *best); /* top-k's
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 /* From this many tokens an integer matmul runs on AMX tiles (a call unpacks its weights once for all
    of them); fewer go to the AVX-512 kernel. Either gives the same bits. */
-#define KILN_AMX_MIN_TOKENS 16
+#define KILN_AMX_MIN_TOKENS 64
 void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 #endif
