@@ -130,6 +130,14 @@ void kiln_quantize_act_pair(kiln_wfmt fmt, const float *x, int cols, void *first
    Safe from several threads on disjoint tile ranges, allocates nothing, deterministic. */
 void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 
+/* ---- Int8 dot-product peaks (peaks.c, for validate and bench) ---- */
+typedef enum { PEAK_AVX2, PEAK_AVX512_VNNI, PEAK_AVX_VNNI, PEAK_AMX, PEAK_UNITS } kiln_peak_unit;
+const char *kiln_peak_missing(kiln_peak_unit unit); /* NULL if the CPU (and OS) has the unit */
+const char *kiln_peak_name(kiln_peak_unit unit);
+/* Multiply-accumulates per second (1e9) of one core, the best of `passes` runs of `iters` iterations; 0 if
+   the unit is missing. */
+double kiln_peak_gmacs(kiln_peak_unit unit, int passes, long iters);
+
 /* ---- Memory (cpu.c) ---- */
 void *kiln_alloc_huge(size_t size); /* 2 MiB-aligned, transparent huge pages advised; NULL on failure */
 void kiln_free_huge(void *p);
