@@ -2,7 +2,7 @@
 
    GGUF stores each row's blocks one after another. kiln repacks them once into kernel formats where
    4 rows are interleaved ("a tile"), each block's scales sit next to its quants, and one worker reads
-   one sequential stream of memory. Kernels exist per instruction set (generic C, AVX2, AVX-512 VNNI);
+   one sequential stream of memory. Kernels exist per instruction set (generic C, AVX2, AVX-512 VNNI, AMX);
    all read the same packed bytes, so a repack cache does not depend on the CPU, and all produce
    bit-identical results: integer dot products are exact, and the float steps (one fused multiply-add
    per block into 8 lanes, then a fixed reduction tree) are the same sequence in every variant. A
