@@ -8,12 +8,23 @@
 
 #if KILN_X86
 #include <cpuid.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 static uint64_t xgetbv0(void) {
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return (uint64_t)hi << 32 | lo;
 }
+
+/* Linux keeps the AMX tile data (8 KiB a thread) out of a process's signal frames until it asks:
+   permission is process-wide and requested once; every thread then loads its own tile configuration. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_granted;
+static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 #endif
 
 const char *kiln_isa_missing(kiln_isa isa) {
@@ -21,7 +32,8 @@ const char *kiln_isa_missing(kiln_isa isa) {
 #if KILN_X86
     unsigned a, b, c, d, b7 = 0, c7 = 0;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid";
-    if (__get_cpuid_max(0, NULL) >= 7) __cpuid_count(7, 0, a, b7, c7, d);
+    unsigned d7 = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) __cpuid_count(7, 0, a, b7, c7, d7);
     if (!(c & bit_AVX)) return "avx";
     if (!(b7 & bit_AVX2)) return "avx2";
     if (!(c & bit_FMA)) return "fma";
@@ -34,19 +46,27 @@ const char *kiln_isa_missing(kiln_isa isa) {
     if (!(b7 & bit_AVX512DQ)) return "avx512dq";
     if (!(c7 & bit_AVX512VNNI)) return "avx512vnni";
     if ((xgetbv0() & 0xe6) != 0xe6) return "OS support for avx512 (xsave of zmm state)";
+    if (isa == ISA_AVX512) return NULL;
+    if (!(d7 & (1u << 24))) return "amx-tile";
+    if (!(d7 & (1u << 25))) return "amx-int8";
+    if ((xgetbv0() & 0x60000) != 0x60000) return "OS support for amx (xsave of tile state)";
+    pthread_once(&amx_once, amx_request);
+    if (!amx_granted) return "OS permission for amx tile data (arch_prctl ARCH_REQ_XCOMP_PERM denied)";
     return NULL;
 #else
-    return isa == ISA_AVX2 ? "avx2 (not an x86 CPU)" : "avx512 (not an x86 CPU)";
+    return isa == ISA_AVX2 ? "avx2 (not an x86 CPU)" : isa == ISA_AVX512 ? "avx512 (not an x86 CPU)" : "amx (not an x86 CPU)";
 #endif
 }
 
 kiln_isa kiln_detect_isa(void) {
-    return !kiln_isa_missing(ISA_AVX512) ? ISA_AVX512 : !kiln_isa_missing(ISA_AVX2) ? ISA_AVX2 : ISA_GENERIC;
+    for (int isa = ISA_AMX; isa > ISA_GENERIC; isa--)
+        if (!kiln_isa_missing((kiln_isa)isa)) return (kiln_isa)isa;
+    return ISA_GENERIC;
 }
 
-const char *kiln_isa_name(kiln_isa isa) {
-    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "generic";
-}
+static const char *const ISA_NAMES[] = {"generic", "avx2", "avx512", "amx"};
+
+const char *kiln_isa_name(kiln_isa isa) { return ISA_NAMES[isa]; }
 
 /* -1 until first use; every thread that races the first use computes the same value. */
 static int active = -1;
@@ -57,10 +77,12 @@ kiln_isa kiln_active_isa(void) {
     kiln_isa isa = kiln_detect_isa();
     const char *env = getenv("KILN_ISA");
     if (env && *env) {
-        int want = !strcmp(env, "generic") ? ISA_GENERIC : !strcmp(env, "avx2") ? ISA_AVX2 : !strcmp(env, "avx512") ? ISA_AVX512 : -1;
+        int want = -1;
+        for (int i = ISA_GENERIC; i <= ISA_AMX; i++)
+            if (!strcmp(env, ISA_NAMES[i])) want = i;
         const char *missing = want >= 0 ? kiln_isa_missing((kiln_isa)want) : NULL;
         if (want < 0)
-            snprintf(env_error, sizeof env_error, "KILN_ISA=%.40s: expected generic, avx2 or avx512", env);
+            snprintf(env_error, sizeof env_error, "KILN_ISA=%.40s: expected generic, avx2, avx512 or amx", env);
         else if (missing)
             snprintf(env_error, sizeof env_error, "KILN_ISA=%s: CPU lacks %s", env, missing);
         else
@@ -107,6 +129,13 @@ void kiln_quantize_act_pair(kiln_wfmt f, const float *x, int cols, void *first, 
 void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1) {
     switch (kiln_active_isa()) {
 #if KILN_X86
+    case ISA_AMX:
+        if (n_tok >= KILN_AMX_MIN_TOKENS && !kiln_fmt_is_float(w->fmt)) {
+            kiln_matmul_amx(w, act, n_tok, y, ldy, tile0, tile1);
+            return;
+        }
+        kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1);
+        return;
     case ISA_AVX512: kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1); return;
     case ISA_AVX2: kiln_matmul_avx2(w, act, n_tok, y, ldy, tile0, tile1); return;
 #endif

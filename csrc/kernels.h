@@ -2,7 +2,7 @@
 
    GGUF stores each row's blocks one after another. kiln repacks them once into kernel formats where
    4 rows are interleaved ("a tile"), each block's scales sit next to its quants, and one worker reads
-   one sequential stream of memory. Kernels exist per instruction set (generic C, AVX2, AVX-512 VNNI);
+   one sequential stream of memory. Kernels exist per instruction set (generic C, AVX2, AVX-512 VNNI, AMX);
    all read the same packed bytes, so a repack cache does not depend on the CPU, and all produce
    bit-identical results: integer dot products are exact, and the float steps (one fused multiply-add
    per block into 8 lanes, then a fixed reduction tree) are the same sequence in every variant. A
@@ -73,7 +73,8 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 } kiln_isa;
+/* ISA_AMX is AVX-512 with the AMX-INT8 tiles for many-token integer matmuls (kern_amx.c). */
+typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } kiln_isa;
 /* Repack caches store these values: a new format takes the next one. */
 typedef enum { KF_F32, KF_F16, KF_BF16, KF_Q4_1, KF_Q4_K, KF_Q5_0, KF_Q5_K, KF_Q8_0, KF_Q6_K, KF_Q4_0, KF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
@@ -86,7 +87,7 @@ typedef struct {
 
 /* ---- ISA (cpu.c) ---- */
 kiln_isa kiln_detect_isa(void); /* best the CPU supports */
-/* Detected, or forced by env KILN_ISA=generic|avx2|avx512 or kiln_force_isa(). An unusable KILN_ISA
+/* Detected, or forced by env KILN_ISA=generic|avx2|avx512|amx or kiln_force_isa(). An unusable KILN_ISA
    leaves the detected ISA active and kiln_isa_error() says why. */
 kiln_isa kiln_active_isa(void);
 int kiln_force_isa(kiln_isa isa);          /* 0, or -1 if the CPU lacks it */
@@ -125,6 +126,14 @@ void kiln_quantize_act_pair(kiln_wfmt fmt, const float *x, int cols, void *first
 /* y[t*ldy + r] = dot(row r of w, activation t) for rows r in [tile0*4, min(tile1*4, rows)), t < n_tok.
    Safe from several threads on disjoint tile ranges, allocates nothing, deterministic. */
 void kiln_matmul(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+
+/* ---- Int8 dot-product peaks (peaks.c, for validate and bench) ---- */
+typedef enum { PEAK_AVX2, PEAK_AVX512_VNNI, PEAK_AVX_VNNI, PEAK_AMX, PEAK_UNITS } kiln_peak_unit;
+const char *kiln_peak_missing(kiln_peak_unit unit); /* NULL if the CPU (and OS) has the unit */
+const char *kiln_peak_name(kiln_peak_unit unit);
+/* Multiply-accumulates per second (1e9) of one core, the best of `passes` runs of `iters` iterations; 0 if
+   the unit is missing. */
+double kiln_peak_gmacs(kiln_peak_unit unit, int passes, long iters);
 
 /* ---- Memory (cpu.c) ---- */
 void *kiln_alloc_huge(size_t size); /* 2 MiB-aligned, transparent huge pages advised; NULL on failure */
@@ -220,4 +229,8 @@ void kiln_quantize_act_pair_avx2(kiln_wfmt fmt, const float *x, int cols, void *
 uint64_t kiln_mem_read_avx2(const void *p, size_t size);
 void kiln_block_maxima_avx2(const float *x, int blocks, float *best); /* top-k's pass over blocks of 16 */
 void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+/* From this many tokens an integer matmul runs on AMX tiles (a call unpacks its weights once for all
+   of them); fewer go to the AVX-512 kernel. Either gives the same bits. */
+#define KILN_AMX_MIN_TOKENS 64
+void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
 #endif

@@ -16,6 +16,13 @@ static int get_buf(PyObject *o, Py_buffer *v, int writable, Py_ssize_t need, con
 
 static PyObject *py_isa_detect(PyObject *self, PyObject *args) { return PyLong_FromLong(kiln_detect_isa()); }
 static PyObject *py_isa_active(PyObject *self, PyObject *args) { return PyLong_FromLong(kiln_active_isa()); }
+static PyObject *py_amx_min_tokens(PyObject *self, PyObject *args) {
+#if KILN_X86
+    return PyLong_FromLong(KILN_AMX_MIN_TOKENS);
+#else
+    Py_RETURN_NONE;
+#endif
+}
 
 static PyObject *py_isa_error(PyObject *self, PyObject *args) {
     const char *e = kiln_isa_error();
@@ -25,7 +32,7 @@ static PyObject *py_isa_error(PyObject *self, PyObject *args) {
 
 static int isa_arg(PyObject *args, int *isa) {
     if (!PyArg_ParseTuple(args, "i", isa)) return -1;
-    if (*isa < ISA_GENERIC || *isa > ISA_AVX512) {
+    if (*isa < ISA_GENERIC || *isa > ISA_AMX) {
         PyErr_Format(PyExc_ValueError, "unknown ISA %d", *isa);
         return -1;
     }
@@ -365,9 +372,10 @@ static PyObject *py_mem_read(PyObject *self, PyObject *args) {
 }
 
 PyMethodDef kernel_methods[] = {
-    {"isa_detect", py_isa_detect, METH_NOARGS, "Best ISA the CPU supports (0 generic, 1 avx2, 2 avx512)."},
+    {"isa_detect", py_isa_detect, METH_NOARGS, "Best ISA the CPU supports (0 generic, 1 avx2, 2 avx512, 3 amx)."},
     {"isa_active", py_isa_active, METH_NOARGS, "ISA the kernels dispatch to."},
     {"isa_error", py_isa_error, METH_NOARGS, "Why KILN_ISA could not be honoured, or None."},
+    {"amx_min_tokens", py_amx_min_tokens, METH_NOARGS, "Tokens from which an integer matmul runs on AMX tiles (None off x86)."},
     {"isa_missing", py_isa_missing, METH_VARARGS, "First CPU feature an ISA needs that is missing, or None."},
     {"isa_force", py_isa_force, METH_VARARGS, "Use this ISA from now on; RuntimeError if the CPU lacks it."},
     {"wfmt_for_ggml", py_wfmt_for_ggml, METH_VARARGS, "Kernel format of a GGML type, or -1."},

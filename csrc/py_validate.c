@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include "bindings.h"
+#include "kernels.h"
 #include "plan.h"
 #include "pool.h"
 
@@ -103,7 +104,36 @@ static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
                          "pointer_bytes", (Py_ssize_t)sizeof(void *), "x86", x86 ? Py_True : Py_False);
 }
 
+/* int8_peaks(passes, iters) -> {unit: GMAC/s of one core, or the missing feature's name}; the GIL is
+ * released, so threads can run it on every core at once */
+static PyObject *py_int8_peaks(PyObject *self, PyObject *args) {
+    (void)self;
+    int passes;
+    long iters;
+    if (!PyArg_ParseTuple(args, "il", &passes, &iters)) return NULL;
+    if (passes < 1 || iters < 1) return PyErr_Format(PyExc_ValueError, "int8_peaks(passes=%d, iters=%ld): need >= 1", passes, iters);
+    PyObject *out = PyDict_New();
+    for (int u = 0; out && u < PEAK_UNITS; u++) {
+        const char *missing = kiln_peak_missing((kiln_peak_unit)u);
+        double g = 0;
+        if (!missing) {
+            Py_BEGIN_ALLOW_THREADS
+            g = kiln_peak_gmacs((kiln_peak_unit)u, passes, iters);
+            Py_END_ALLOW_THREADS
+        }
+        PyObject *v = missing ? PyUnicode_FromString(missing) : PyFloat_FromDouble(g);
+        if (!v || PyDict_SetItemString(out, kiln_peak_name((kiln_peak_unit)u), v)) {
+            Py_XDECREF(v);
+            Py_CLEAR(out);
+        } else
+            Py_DECREF(v);
+    }
+    return out;
+}
+
 PyMethodDef validate_methods[] = {
+    {"int8_peaks", py_int8_peaks, METH_VARARGS,
+     "int8_peaks(passes, iters) -> {unit: GMAC/s of one core, or the missing feature}"},
     {"noop", py_noop, METH_NOARGS, "noop() -> None: an empty native call"},
     {"pool_region_ns", py_pool_region_ns, METH_VARARGS,
      "pool_region_ns(threads, regions, idle_us, all_threads) -> (ns per region, chunks on workers, timeouts)"},

@@ -174,7 +174,8 @@ def check_isa() -> Check:
     result = f"{active} kernels" + (f" ({env_error})" if env_error else "") + "; " + "; ".join(
         f"{k}: {v}" for k, v in why.items() if k != active)
     return Check("kernel variant", status, result,
-                 "CPUID feature bits and XGETBV (OS support for the register state), as the kernels dispatch",
+                 "CPUID feature bits, XGETBV (OS support for the register state) and, for amx, the OS granting the tile "
+                 "data (arch_prctl ARCH_REQ_XCOMP_PERM), as the kernels dispatch",
                  {"active": active, "best": best, "variants": why, "kiln_isa_env": os.environ.get("KILN_ISA")})
 
 
@@ -459,6 +460,44 @@ def check_gemv(threads: int, reps: int, quick: bool) -> Check:
                  {"by_threads": figures, "bytes": int(buf.size)})
 
 
+PEAK_PASSES, PEAK_ITERS = 5, 200_000
+
+
+def int8_peaks() -> dict:
+    """{unit: GMAC/s of one core} for each int8 dot-product unit the CPU has (csrc/peaks.c), and
+    {unit: why not} for the others."""
+    from kiln import _native
+
+    got = _native.int8_peaks(PEAK_PASSES, PEAK_ITERS)
+    return {"gmacs_per_core": {u: v for u, v in got.items() if isinstance(v, float)},
+            "missing": {u: v for u, v in got.items() if isinstance(v, str)}}
+
+
+def check_peaks(threads: int, gemm: Check, gemv: Check) -> Check:
+    """The machine's int8 peaks, and what kiln's own GEMM (the int4 figure: Q4_0 x int8, 512 tokens) and GEMV
+    reach of them."""
+    from kiln.native import kernels as K
+
+    peaks = int8_peaks()
+    per_core = peaks["gmacs_per_core"]
+    gemm_gmacs = gemm.figures["gops"]["int4"][f"{threads}_threads"] / 2
+    share = {u: gemm_gmacs / (g * threads) for u, g in per_core.items() if g > 0}
+    top = gemv.figures["by_threads"][f"{threads}_threads"]
+    units = ", ".join(f"{u} {g:.0f}" for u, g in per_core.items()) or "none"
+    shares = ", ".join(f"{v:.0%} of {u}" for u, v in share.items())
+    missing = "; ".join(f"no {u}: {why}" for u, why in peaks["missing"].items())
+    return Check("int8 peaks", INFO, f"GMAC/s per core: {units}. kiln's GEMM ({K.active_isa()}) {gemm_gmacs:.0f} GMAC/s on "
+                 f"{threads} threads = {shares}; GEMV {top['gemv_gb_s']:.1f} GB/s = {top['ratio']:.0%} of the "
+                 f"{top['read_gb_s']:.1f} GB/s read" + (f" ({missing})" if missing else ""),
+                 f"each unit: a loop of independent accumulators doing only its int8 products (AVX2 vpmaddubsw + vpmaddwd "
+                 f"+ vpaddd, 32 products each; AVX-512 VNNI vpdpbusd zmm, 64; AVX-VNNI vpdpbusd ymm, 32; AMX tdpbssd on "
+                 f"4 tiles of 16 x 16 int32, K = 64), one core, the best of {PEAK_PASSES} passes; the peak of {threads} "
+                 "threads is taken as threads x that. kiln's figures are the GEMM and GEMV checks' (medians)",
+                 {"gmacs_per_core": per_core, "missing": peaks["missing"], "gemm_gmacs": gemm_gmacs,
+                  "gemm_share_of_peak": share, "gemm_isa": K.active_isa(), "read_gb_s": top["read_gb_s"],
+                  "gemv_gb_s": top["gemv_gb_s"], "gemv_share_of_read": top["ratio"]})
+
+
 def _per_call_ns(fn: Callable, args: tuple = (), calls: int = 2000, batches: int = 15) -> float:
     """Median over batches of ns per call of fn(*args), minus the bare Python loop around it."""
     def batch(body) -> int:
@@ -536,7 +575,8 @@ def validate(model: str | None = None, n_ctx: int | None = None, n_slots: int = 
     if info is not None:
         kern = check_kernels()
         kernels_ok = kern.status == PASSED
-        checks += [kern, check_gemm(threads, reps), check_gemv(threads, reps, quick), check_dispatch(threads, quick)]
+        gemm, gemv = check_gemm(threads, reps), check_gemv(threads, reps, quick)
+        checks += [kern, gemm, gemv, check_peaks(threads, gemm, gemv), check_dispatch(threads, quick)]
     ready = info is not None and kernels_ok and (fit is None or fit["fits"])
     return {"object": "kiln_validation", "kiln_version": __version__, "ready": ready, "threads": threads,
             "quick": quick, "machine": facts, "model_fit": fit, "checks": [asdict(c) for c in checks]}

@@ -614,6 +614,13 @@ def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     assert one["gb_s"] == pytest.approx(one["step_bytes"] * 8 / (one["samples_ns"][0] / 1e9) / 1e9)
     read = report["plain_read"][str(one["threads"])]
     assert read["gb_s"] > 0 and one["of_plain_read"] == pytest.approx(one["gb_s"] / read["gb_s"])
+    pp = by_test["pp16"]  # the layers' matrices (q, k, v, o, gate, up, down), the head left out
+    d, f, q, kv = shape.dim, shape.ffn_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    assert pp["token_macs"] == shape.n_layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    assert pp["gmacs"] == pytest.approx(pp["token_macs"] * pp["median_ts"] / 1e9)
+    peak = report["int8_peak"]
+    if peak is not None:
+        assert pp["of_peak"] == pytest.approx(pp["gmacs"] / (peak["gmacs_per_core"] * pp["threads"]))
     mem = report["memory"][str(one["threads"])]
     assert mem["weights_bytes"] > 0 and mem["rss_growth_bytes"] > 0
     assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))

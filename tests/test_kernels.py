@@ -377,7 +377,7 @@ def test_errors_are_reported():
                 K.force_isa(name)
 
 
-@pytest.mark.parametrize("value,expect", [("generic", "generic"), ("bogus", "expected generic, avx2 or avx512")])
+@pytest.mark.parametrize("value,expect", [("generic", "generic"), ("bogus", "expected generic, avx2, avx512 or amx")])
 def test_kiln_isa_environment(value, expect):
     code = "from kiln.native import kernels as K\ntry:\n    print(K.active_isa())\nexcept RuntimeError as e:\n    print(e)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_ISA": value}, capture_output=True, text=True)
@@ -482,6 +482,57 @@ static inline E512 emu_srlv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++)
 static inline emask64 emu_test_epi8_mask(E512 a, E512 b) { emask64 k = 0; L64 k |= (emask64)((a.b[i] & b.b[i]) != 0) << i; return k; }
 """
 
+# What kern_amx.c uses on top: more AVX-512, and the AMX tiles (8 registers of up to 16 rows x 64 bytes, shaped
+# by the loaded configuration; a load zeroes what its shape leaves out; tdpbssd sums signed byte quadruples).
+EMUAMX_H = r"""
+#include "emu512.h"
+typedef uint16_t emask16;
+#define L16 for (int i = 0; i < 16; i++)
+static inline E512 emu_add_epi32(E512 a, E512 b) { L16 a.u[i] += b.u[i]; return a; }
+static inline E512 emu_sub_epi32(E512 a, E512 b) { L16 a.u[i] -= b.u[i]; return a; }
+static inline E512 emu_mullo_epi32(E512 a, E512 b) { L16 a.u[i] *= b.u[i]; return a; }
+static inline E512 emu_sub_epi8(E512 a, E512 b) { L64 a.b[i] -= b.b[i]; return a; }
+static inline E512 emu_set1_epi32(int32_t v) { E512 r; L16 r.d[i] = v; return r; }
+static inline E512 emu_set1_epi16(short v) { E512 r; for (int i = 0; i < 32; i++) r.w[i] = (uint16_t)v; return r; }
+static inline E512 emu_set1_ps(float v) { E512 r; L16 r.f[i] = v; return r; }
+static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; }
+static inline E512 emu_mul_ps(E512 a, E512 b) { L16 a.f[i] *= b.f[i]; return a; }
+static inline E512 emu_cvtepi32_ps(E512 a) { L16 a.f[i] = (float)a.d[i]; return a; }
+static inline E512 emu_load_ps(const float *p) { return emu_loadu_ps(p); }
+static inline E512 emu_load_si512(const void *p) { return emu_loadu_si512(p); }
+static inline void emu_storeu_si512(void *p, E512 v) { memcpy(p, &v, 64); }
+static inline void emu_mask_storeu_ps(float *p, emask16 k, E512 v) { L16 if (k >> i & 1) p[i] = v.f[i]; }
+static inline E512 emu_permutex2var_epi32(E512 a, E512 idx, E512 b) { E512 r; L16 { int j = idx.u[i] & 31; r.u[i] = j < 16 ? a.u[j] : b.u[j - 16]; } return r; }
+static uint8_t emu_tiles[8][16][64];
+static uint8_t emu_rows[8];
+static uint16_t emu_colsb[8];
+static inline void emu_tile_loadconfig(const void *cfg) {
+    const uint8_t *c = cfg;
+    for (int t = 0; t < 8; t++) { emu_rows[t] = c[48 + t]; memcpy(&emu_colsb[t], c + 16 + 2 * t, 2); }
+    memset(emu_tiles, 0, sizeof emu_tiles);
+}
+static inline void emu_tile_release(void) { memset(emu_rows, 0, sizeof emu_rows); memset(emu_colsb, 0, sizeof emu_colsb); }
+static inline void emu_tile_zero(int t) { memset(emu_tiles[t], 0, sizeof emu_tiles[t]); }
+static inline void emu_tile_loadd(int t, const void *base, size_t stride) {
+    emu_tile_zero(t);
+    for (int r = 0; r < emu_rows[t]; r++) memcpy(emu_tiles[t][r], (const uint8_t *)base + r * stride, emu_colsb[t]);
+}
+static inline void emu_tile_stored(int t, void *base, size_t stride) {
+    for (int r = 0; r < emu_rows[t]; r++) memcpy((uint8_t *)base + r * stride, emu_tiles[t][r], emu_colsb[t]);
+}
+static inline void emu_tile_dpbssd(int c, int a, int b) {
+    for (int m = 0; m < emu_rows[c]; m++)
+        for (int n = 0; n < emu_colsb[c] / 4; n++) {
+            int32_t s;
+            memcpy(&s, &emu_tiles[c][m][4 * n], 4);
+            for (int k = 0; k < emu_colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++) s += (int32_t)(int8_t)emu_tiles[a][m][4 * k + i] * (int8_t)emu_tiles[b][k][4 * n + i];
+            memcpy(&emu_tiles[c][m][4 * n], &s, 4);
+        }
+}
+"""
+LDTILECFG = '__asm__ volatile("ldtilecfg %0" : : "m"(c));'
+
 
 class _WMat(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("rows_padded", ctypes.c_int),
@@ -504,9 +555,20 @@ def emulated_avx512(tmp_path_factory):
     src = src.replace("_mm512_", "emu_").replace("_mm256_dpbusd_epi32", "emu256_dpbusd_epi32")
     left = set(re.findall(r"_mm512\w*|__m512\w*|_mm256_dpbus\w*|_mm256_mask\w*|__mmask\w*|_k\w+_mask\w*", src))
     assert not left, f"intrinsics without a stand-in: {left}"
+    amx = (csrc / "kern_amx.c").read_text()
+    assert "#include <immintrin.h>" in amx and LDTILECFG in amx
+    amx = re.sub(r"#pragma GCC target\(.*\)", '#pragma GCC target("avx2,fma,f16c")', amx)
+    amx = amx.replace("#include <immintrin.h>", '#include "emuamx.h"').replace("_tile_", "emu_tile_")
+    amx = amx.replace(LDTILECFG, "emu_tile_loadconfig(&c);")
+    amx = amx.replace("__m512i", "E512").replace("__m512", "E512").replace("__mmask16", "emask16").replace("_mm512_", "emu_")
+    left = set(re.findall(r"_mm512\w*|__m512\w*|__mmask\w*|_k\w+_mask\w*|(?<!emu)_tile_\w*|__asm__", amx))
+    assert not left, f"intrinsics without a stand-in: {left}"
     (out / "emu512.h").write_text(EMU512_H)
+    (out / "emuamx.h").write_text(EMUAMX_H)
     (out / "kern_avx512_emu.c").write_text(src)
-    sources = [str(csrc / f) for f in ("cpu.c", "pack.c", "kern_generic.c", "kern_avx2.c")] + [str(out / "kern_avx512_emu.c")]
+    (out / "kern_amx_emu.c").write_text(amx)
+    sources = [str(csrc / f) for f in ("cpu.c", "pack.c", "kern_generic.c", "kern_avx2.c")] + [str(out / "kern_avx512_emu.c"),
+                                                                                                str(out / "kern_amx_emu.c")]
     lib = out / "libkern_emu.so"
     cmd = [cc, "-O1", "-std=gnu11", "-fno-strict-aliasing", "-DKILN_X86=1", "-shared", "-fPIC", f"-I{csrc}", f"-I{out}",
            *sources, "-o", str(lib), "-lm"]
@@ -532,5 +594,66 @@ def test_avx512_kernel_logic_under_emulation(t, emulated_avx512):
             emulated_avx512.kiln_matmul_avx512(ctypes.byref(w), ctypes.c_void_p(act.ctypes.data), n,
                                                ctypes.c_void_p(y.ctypes.data), rows, 0, pm.tiles)
             assert np.array_equal(y, ref), ctx(t.name, "emulated avx512", f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+    finally:
+        K.force_isa(before)
+
+
+# ---- AMX ---------------------------------------------------------------------------------------------------
+# kern_amx.c unpacks 16 rows at a time and runs a call's tokens in blocks of 16 (runs of 128): shapes with a
+# partial slab (rows 67, 5), a partial token block (33, 130: a second run), short groups of 1..7 blocks and
+# the shared tail (576), against the generic kernel bit for bit.
+AMX_SHAPES = [(67, 33), (5, 17), (20, 130)]
+
+
+def _amx_cases(t):
+    cols_list = COLS_K if t in K_TYPES else (32, 96, 160, 224, 576, 640)
+    for i, cols in enumerate(cols_list):
+        rows, n = AMX_SHAPES[i % len(AMX_SHAPES)]
+        yield rows, cols, n
+
+
+@pytest.mark.parametrize("t", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_amx_kernel_logic_under_emulation(t, emulated_avx512):
+    before = K.ISAS[K._native.isa_active()]
+    K.force_isa("generic")
+    try:
+        for rows, cols, n in _amx_cases(t):
+            rng = rng_for("emu-amx", t, cols)
+            pm = K.pack(t, random_weights(t, rows, cols, rng), rows, cols)
+            act = K.quantize_act(pm.fmt, activations(t, n, cols, rng))
+            ref = K.matmul(pm, act, n)
+            y = np.zeros((n, rows), np.float32)
+            w = _WMat(int(pm.fmt), rows, cols, pm.rows_padded, pm.tile_bytes, pm.data.ctypes.data)
+            for t0, t1 in ((0, pm.tiles // 2), (pm.tiles // 2, pm.tiles)):  # two calls, as two chunks
+                emulated_avx512.kiln_matmul_amx(ctypes.byref(w), ctypes.c_void_p(act.ctypes.data), n,
+                                                ctypes.c_void_p(y.ctypes.data), rows, t0, t1)
+            assert np.array_equal(y, ref), ctx(t.name, "emulated amx", f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+    finally:
+        K.force_isa(before)
+
+
+@pytest.mark.parametrize("t", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_amx_matches_generic_bit_for_bit(t):
+    """The real tiles, with enough tokens that kiln_matmul picks them; any split of the tiles into chunks."""
+    if K.isa_missing("amx"):
+        pytest.skip(f"CPU lacks {K.isa_missing('amx')}")
+    before = K.ISAS[K._native.isa_active()]
+    try:
+        for rows, cols, n in _amx_cases(t):
+            n = max(n, K._native.amx_min_tokens())
+            rng = rng_for("amx", t, cols)
+            pm = K.pack(t, random_weights(t, rows, cols, rng), rows, cols)
+            x = activations(t, n, cols, rng)
+            K.force_isa("generic")
+            act = K.quantize_act(pm.fmt, x)
+            ref = K.matmul(pm, act, n)
+            K.force_isa("amx")
+            where = ctx(t.name, f"rows {rows}", f"cols {cols}", f"n_tok {n}")
+            assert np.array_equal(K.matmul(pm, act, n), ref), where
+            y = np.zeros((n, rows), np.float32)
+            cut = 1 + int(rng.integers(0, max(1, pm.tiles - 1)))  # a chunk boundary inside a 16-row slab
+            K.matmul(pm, act, n, y, 0, cut)
+            K.matmul(pm, act, n, y, cut, pm.tiles)
+            assert np.array_equal(y, ref), where + f", chunks split at tile {cut}"
     finally:
         K.force_isa(before)

@@ -21,7 +21,7 @@ from kiln.synth import write_random_gguf
 from tests.reference import rel_err
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
-SUPPORTED_ISAS = [isa for isa in ("generic", "avx2", "avx512") if kernels.isa_missing(isa) is None]
+SUPPORTED_ISAS = [isa for isa in kernels.ISAS if kernels.isa_missing(isa) is None]
 
 
 def engines(path, n_slots=1, threads=2, n_ctx=96, **native_options):
@@ -107,6 +107,28 @@ def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     a, b = native.forward(ids, all_logits=True), oracle.forward(ids, all_logits=True)
     assert kld(b, a).mean() < 0.01
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+def test_amx_prefill_gives_the_avx512_bits(qtype, tmp_path):
+    """A prompt long enough for the AMX tiles (on both pool threads, each with its own tile state): the
+    same logits, bit for bit, as the AVX-512 kernels. (All rows' logits would run in chunks of the logits
+    rows, too few for the tiles.)"""
+    if kernels.isa_missing("amx"):
+        pytest.skip(f"CPU lacks {kernels.isa_missing('amx')}")
+    path = write_random_gguf(tmp_path / "q.gguf", "tiny-qwen3", qtype=qtype, seed=6)
+    native, oracle = engines(path)
+    ids = [int(i) for i in np.random.default_rng(2).integers(3, 500, kernels._native.amx_min_tokens() + 21)]
+    before = kernels.active_isa()
+    try:
+        kernels.force_isa("avx512")
+        want = native.forward(ids)
+        kernels.force_isa("amx")
+        got = native.forward(ids)
+    finally:
+        kernels.force_isa(before)
+    assert np.array_equal(got, want)
+    assert kld(oracle.forward(ids), got).mean() < 0.01
 
 
 @pytest.mark.parametrize("family,vocab", [("tiny-qwen2", 509), ("tiny-gemma3", 512)])

@@ -17,7 +17,7 @@ from tests.test_trace import expected_weight_bytes
 
 REQUIRED_KEYS = {"object", "kiln_version", "ready", "threads", "machine", "model_fit", "checks"}
 CHECKS = ["native extension", "machine load", "cpu", "kernel variant", "threads", "huge pages", "memlock",
-          "memory", "kernel correctness", "GEMM", "GEMV bandwidth", "dispatch latency"]
+          "memory", "kernel correctness", "GEMM", "GEMV bandwidth", "int8 peaks", "dispatch latency"]
 MiB2 = 2 << 20
 
 
@@ -71,6 +71,15 @@ def test_figures_are_consistent(quick_report):
     assert by_name["GEMV bandwidth"]["bytes"] > (V.l3_bytes() or 0)  # streams from DRAM, not the cache
     for kind in ("int8", "int4", "bf16"):
         assert all(v > 0 for v in by_name["GEMM"]["gops"][kind].values())
+    peaks = by_name["int8 peaks"]
+    assert set(peaks["gmacs_per_core"]) | set(peaks["missing"]) == {"avx2", "avx512_vnni", "avx_vnni", "amx"}
+    assert all(g > 0 for g in peaks["gmacs_per_core"].values())
+    assert ("avx512_vnni" in peaks["gmacs_per_core"]) == (K.isa_missing("avx512") is None)
+    assert ("amx" in peaks["gmacs_per_core"]) == (K.isa_missing("amx") is None)
+    threads = quick_report["threads"]
+    assert peaks["gemm_gmacs"] == pytest.approx(by_name["GEMM"]["gops"]["int4"][f"{threads}_threads"] / 2)
+    for unit, share in peaks["gemm_share_of_peak"].items():
+        assert share == pytest.approx(peaks["gemm_gmacs"] / (threads * peaks["gmacs_per_core"][unit]))
     d = by_name["dispatch latency"]
     assert d["noop_call_ns"] < d["empty_step_ns"]  # the step entry does strictly more than an empty call
     for key in ("dispatch", "fork_join"):

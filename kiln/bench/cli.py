@@ -107,18 +107,27 @@ def to_markdown(report: dict) -> str:
         f"model: {report['model']} ({report['architecture']}, {report['model_size'] / 2**20:.1f} MiB, "
         f"{report['n_params'] / 1e6:.1f} M params) · {m['cpu']} · kernels {m['kernel_isa']}",
         "",
-        "| test | threads | t/s | host % | GB/s (of plain read) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| test | threads | t/s | host % | GB/s (of plain read) | GMAC/s (of int8 peak) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["results"]:
         host = f"{100 * r['host_fraction']:.1f}" if r["host_fraction"] is not None else ""
         bw = ""
         if r.get("gb_s") is not None:
             bw = f"{r['gb_s']:.2f}" + (f" ({100 * r['of_plain_read']:.0f}%)" if "of_plain_read" in r else "")
-        lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} | {bw} |")
+        macs = ""
+        if r.get("gmacs") is not None:
+            macs = f"{r['gmacs']:.0f}" + (f" ({100 * r['of_peak']:.0f}%)" if "of_peak" in r else "")
+        lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} | {bw} | {macs} |")
     lines += ["", f"{report['method']}; GB/s: bytes a decode step reads (packed weights, embedding rows, KV "
               "cache) at the median step time; of a split output head only the first pass, since how much of "
-              "its low bits a step reads depends on the logits."]
+              "its low bits a step reads depends on the logits; GMAC/s: a prompt token's matrix products, each once "
+              "(not the output head, not attention, not precise activations' second rows) at the median rate"]
+    peak = report.get("int8_peak")
+    if peak:
+        lines[-1] += f", of the {peak['unit']} int8 peak ({peak['gmacs_per_core']:.0f} GMAC/s a core x threads)."
+    else:
+        lines[-1] += "."
     for t, read in report.get("plain_read", {}).items():
         lines.append(f"plain read, {t} thread(s): {read['gb_s']:.2f} GB/s ({read['method']}).")
     for t, mem in report.get("memory", {}).items():

@@ -34,6 +34,7 @@ class PerfResult:
     samples_ns: list[int] = field(default_factory=list)
     host_fraction: float | None = None  # decode only: share of wall time outside the native call
     step_bytes: float | None = None  # decode only: mean bytes one step reads (weights, embedding rows, KV)
+    token_macs: int | None = None  # prefill only: multiply-accumulates of a token's matrix products
 
     @property
     def samples_ts(self) -> list[float]:
@@ -48,6 +49,8 @@ class PerfResult:
             "samples_ns": ns, "samples_ts": ts, "host_fraction": self.host_fraction,
             "step_bytes": self.step_bytes,
             "gb_s": None if self.step_bytes is None else self.step_bytes * self.n_tokens / (statistics.median(ns) / 1e9) / 1e9,
+            "token_macs": self.token_macs,
+            "gmacs": None if self.token_macs is None else self.token_macs * statistics.median(ts) / 1e9,
         }
 
 
@@ -72,7 +75,8 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
                 engine.forward(rng.integers(0, vocab, depth).tolist(), slot, 0)
 
     if n_prompt and batch == 1:
-        r = PerfResult(_label("pp", n_prompt, depth, 1), engine.threads, depth, 1, n_prompt)
+        r = PerfResult(_label("pp", n_prompt, depth, 1), engine.threads, depth, 1, n_prompt,
+                       token_macs=token_macs(engine, vocab))
         for rep in range(reps + 1):
             fill_depth()
             tokens = rng.integers(0, vocab, n_prompt).tolist()
@@ -114,6 +118,16 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
     return results
 
 
+def token_macs(engine, vocab: int) -> int:
+    """Multiply-accumulates of one prompt token's matrix products: every packed matrix but the output head
+    (rows = the vocabulary), which a prompt runs for its last token only. Attention is not counted."""
+    return sum(lay["rows"] * lay["cols"] for lay in engine.weights.layouts.values() if lay["rows"] != vocab)
+
+
+# The int8 unit each kernel variant's prefill runs on (kiln validate's peaks).
+PEAK_UNIT = {"amx": "amx", "avx512": "avx512_vnni", "avx2": "avx2"}
+
+
 def step_bytes(engine, batch: int, positions) -> float:
     """Mean bytes a decode step of `batch` sequences reads: every packed matrix once (a split output head's
     first pass: its low bits are read only near the best logits), an embedding row and the KV cache up to
@@ -150,7 +164,8 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
     from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
     from kiln.engine.model import load, release_free_heap
     from kiln.machine import facts
-    from kiln.validate import ReadLoop
+    from kiln.native import kernels as K
+    from kiln.validate import ReadLoop, int8_peaks
 
     results, about, memory, reads = [], {}, {}, {}
     n_ctx = max(depths) + max(n_prompt, n_gen) + 1
@@ -178,9 +193,13 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
             reads[t] = read.figures(passes, "each right after a timed decode repetition")
         del model, read
     summaries = [r.summary() for r in results]
+    unit = PEAK_UNIT.get(K.active_isa())
+    peak = int8_peaks()["gmacs_per_core"].get(unit) if n_prompt and unit else None
     for r in summaries:
         if r["gb_s"] is not None and r["threads"] in reads:
             r["of_plain_read"] = r["gb_s"] / reads[r["threads"]]["gb_s"]
+        if r["gmacs"] is not None and peak:
+            r["of_peak"] = r["gmacs"] / (peak * r["threads"])
     return {
         **about, "backend": "native", "tokens": tokens,
         "method": ("random token ids" if tokens == "random" else "decode: each sequence's greedy continuation "
@@ -188,4 +207,7 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
         f"timed; mean ± sd over {reps} repetitions after one warm-up",
         "machine": facts(), "results": summaries,
         "plain_read": {str(t): f for t, f in reads.items()}, "memory": {str(t): m for t, m in memory.items()},
+        "int8_peak": None if not peak else {"unit": unit, "gmacs_per_core": peak,
+                                            "method": "kiln validate's int8 peaks: the unit's products alone, one core, "
+                                                      "best of 5 passes; x threads"},
     }

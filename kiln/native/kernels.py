@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kiln import _native
 
-ISAS = ("generic", "avx2", "avx512")
+ISAS = ("generic", "avx2", "avx512", "amx")
 
 
 _FORMATS, _ACT_KINDS = _native.kernel_formats()
