@@ -561,6 +561,26 @@ def test_responses_text_and_stream_agree(oai):
     assert deltas == events[-1].response.output_text == whole.output_text
 
 
+def test_llama_server_json_object_schema_constrains_the_output(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a person as JSON."}], "max_tokens": 80,
+            "temperature": 0, "response_format": {"type": "json_object", "schema": PERSON}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), PERSON)
+    body["response_format"] = {"type": "text", "schema": PERSON}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.schema"
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(oai):
+    kwargs = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 3, "temperature": 0}
+    whole = oai.responses.create(**kwargs)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in whole.output] == ["incomplete"]
+    done = [e for e in oai.responses.create(**kwargs, stream=True) if e.type == "response.output_item.done"]
+    assert [e.item.status for e in done] == ["incomplete"]
+
+
 def test_responses_tool_call_round_trip_and_json(oai):
     first = oai.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSE_TOOL],
                                  tool_choice="required", temperature=0)
