@@ -378,6 +378,54 @@ def test_health_metrics_and_openapi(server):
     assert {"messages", "max_tokens", "response_format", "tools", "tool_choice", "stream"} <= set(request)
 
 
+def test_the_endpoints_clients_probe(server, oll):
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, f"{server.url}/")
+        assert r.status_code == 200 and r.text == ("kiln is running" if method == "GET" else "")
+        for path in ("/api/tags", "/api/version"):
+            assert httpx.request(method, f"{server.url}{path}").status_code == 200
+    assert oll.show(MODEL).capabilities == ["completion", "tools", "embedding"]
+
+
+def test_llama_server_tokenize_template_props_and_slots(server, oai):
+    post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, timeout=120)  # noqa: E731
+    text = "Hello, wörld!𒀀"
+    ids = post("/tokenize", {"content": text})
+    assert ids.status_code == 200 and all(isinstance(i, int) for i in ids.json()["tokens"])
+    pieces = post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids.json()["tokens"]
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) == text.encode()
+    assert any(isinstance(p["piece"], list) for p in pieces)  # the cuneiform sign is split into byte tokens
+    assert post("/detokenize", {"tokens": ids.json()["tokens"]}).json() == {"content": text}
+
+    prompt = post("/apply-template", {"messages": QUESTION}).json()["prompt"]
+    assert QUESTION[0]["content"] in prompt and prompt.endswith("<|im_start|>assistant\n")
+    tokens = post("/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert len(tokens) == chat(oai, max_tokens=1).usage.prompt_tokens  # the prompt a chat request runs
+
+    props = httpx.get(f"{server.url}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == 4
+    assert props["model_alias"] == MODEL and props["chat_template"].startswith("{")
+    assert props["modalities"] == {"vision": False, "audio": False} and props["build_info"].startswith("kiln ")
+    assert props["default_generation_settings"]["params"]["temperature"] >= 0
+
+    idle = httpx.get(f"{server.url}/slots").json()
+    assert [s["id"] for s in idle] == [0, 1, 2, 3] and all(s["n_ctx"] == CTX for s in idle)
+    assert not any(s["is_processing"] for s in idle) and max(s["tokens_cached"] for s in idle) >= len(tokens) - 1
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # decoding: counting on
+        now = httpx.get(f"{server.url}/slots").json()
+        rest = list(lines)
+    busy = [s for s in now if s["is_processing"]]
+    assert len(busy) == 1 and busy[0]["id_task"] >= 0 and busy[0]["state"] == 1, (first, now, rest[-3:])
+
+    assert post("/detokenize", {"tokens": [10**9]}).json()["error"]["param"] == "tokens"
+    assert post("/tokenize", {"content": "x", "model": "no-such:1b"}).status_code == 404
+    assert post("/tokenize", {"content": "x", "bogus": 1}).json()["error"]["param"] == "bogus"
+
+
 def test_another_model_swaps_in_once_running_requests_finish(oll, server, gemma3_path):
     import threading
 

@@ -27,7 +27,7 @@ from kiln import __version__
 from kiln.chat import ChatTemplateError
 from kiln.engine.scheduler import QueueFullError, UnloadedError
 from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError
-from kiln.server import anthropic, ollama, openai, responses
+from kiln.server import anthropic, llamacpp, ollama, openai, responses
 from kiln.server.runtime import Runtime, Settings
 
 log = logging.getLogger("kiln.server")
@@ -57,6 +57,7 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     app.include_router(responses.router)
     app.include_router(ollama.router)
     app.include_router(anthropic.router)
+    app.include_router(llamacpp.router)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, include_in_schema=False)
     async def root():

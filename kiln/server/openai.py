@@ -189,7 +189,7 @@ class CompletionRequest(_Sampling):
 # --- endpoints -----------------------------------------------------------------------------------------
 @router.post("/chat/completions", responses=_ERRORS, summary="Chat completion (SSE when stream is true)")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    messages = [chat_message(i, m) for i, m in enumerate(body.messages)]
     fmt = body.response_format
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -297,7 +297,7 @@ def _fingerprint() -> str:
     return f"kiln-{__version__}"
 
 
-def _message(index: int, m: ChatMessage) -> dict:
+def chat_message(index: int, m: ChatMessage) -> dict:
     content = m.content
     if isinstance(content, list):
         for j, part in enumerate(content):
