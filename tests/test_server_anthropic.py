@@ -121,7 +121,7 @@ def test_errors_in_anthropics_shape(client, server):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     assert "no-such-model" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:  # a field kiln does not implement
-        ask(client, thinking={"type": "enabled", "budget_tokens": 1024})
+        ask(client, thinking={"type": "enabled", "budget_tokens": 1024}, metadata={"user_id": "u-1"})
     assert e.value.body["error"]["type"] == "invalid_request_error" and "thinking" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         ask(client, messages=[{"role": "user", "content": [{"type": "image", "source": {

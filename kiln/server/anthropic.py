@@ -93,6 +93,10 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = Field(None, description="with any or tool kiln forces exactly one call")
 
 
+class Metadata(_Strict):
+    user_id: str | None = Field(None, description="accepted and unused: Anthropic's id for abuse reports")
+
+
 class CountTokensRequest(_Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -113,7 +117,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
-    metadata: dict[str, Any] | None = Field(None, description="accepted and unused (Anthropic's user_id)")
+    metadata: Metadata | None = None
     cache_control: dict[str, Any] | None = Field(None, description="accepted: kiln caches every prompt's prefix")
 
     def request(self) -> GenerationRequest:
