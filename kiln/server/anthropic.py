@@ -140,7 +140,7 @@ async def messages(body: MessagesRequest, request: Request):
     _, final = await generation.collect(request)
     if final.error:
         raise KilnError(final.error)
-    content = ([{"type": "text", "text": final.text}] if final.text or not final.tool_calls else [])
+    content = [{"type": "text", "text": final.text}] if final.text else []  # as the stream: no text, no block
     content += [_tool_use(c) for c in final.tool_calls]
     return {**meta, "content": content, **_stop(final, job.request.stop), "usage": _usage(final.timings)}
 
