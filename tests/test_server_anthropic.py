@@ -81,7 +81,7 @@ def test_max_tokens_and_stop_sequences(client):
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
     free = ask(client, max_tokens=30)
     text = free.content[0].text
-    word = next(w for w in text.split() if len(w) > 2)  # a word the greedy answer says
+    word = next(w for w in text.split()[1:] if len(w) > 2)  # a word the greedy answer says, after its first
     stopped = ask(client, max_tokens=30, stop_sequences=[word])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert stopped.content[0].text == text[: text.index(word)]
