@@ -378,6 +378,54 @@ def test_health_metrics_and_openapi(server):
     assert {"messages", "max_tokens", "response_format", "tools", "tool_choice", "stream"} <= set(request)
 
 
+def test_the_endpoints_clients_probe(server, oll):
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, f"{server.url}/")
+        assert r.status_code == 200 and r.text == ("kiln is running" if method == "GET" else "")
+        for path in ("/api/tags", "/api/version"):
+            assert httpx.request(method, f"{server.url}{path}").status_code == 200
+    assert oll.show(MODEL).capabilities == ["completion", "tools", "embedding"]
+
+
+def test_llama_server_tokenize_template_props_and_slots(server, oai):
+    post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, timeout=120)  # noqa: E731
+    text = "Hello, wörld!𒀀"
+    ids = post("/tokenize", {"content": text})
+    assert ids.status_code == 200 and all(isinstance(i, int) for i in ids.json()["tokens"])
+    pieces = post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids.json()["tokens"]
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) == text.encode()
+    assert any(isinstance(p["piece"], list) for p in pieces)  # the cuneiform sign is split into byte tokens
+    assert post("/detokenize", {"tokens": ids.json()["tokens"]}).json() == {"content": text}
+
+    prompt = post("/apply-template", {"messages": QUESTION}).json()["prompt"]
+    assert QUESTION[0]["content"] in prompt and prompt.endswith("<|im_start|>assistant\n")
+    tokens = post("/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert len(tokens) == chat(oai, max_tokens=1).usage.prompt_tokens  # the prompt a chat request runs
+
+    props = httpx.get(f"{server.url}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == 4
+    assert props["model_alias"] == MODEL and props["chat_template"].startswith("{")
+    assert props["modalities"] == {"vision": False, "audio": False} and props["build_info"].startswith("kiln ")
+    assert props["default_generation_settings"]["params"]["temperature"] >= 0
+
+    idle = httpx.get(f"{server.url}/slots").json()
+    assert [s["id"] for s in idle] == [0, 1, 2, 3] and all(s["n_ctx"] == CTX for s in idle)
+    assert not any(s["is_processing"] for s in idle) and max(s["tokens_cached"] for s in idle) >= len(tokens) - 1
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 300, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # decoding: counting on
+        now = httpx.get(f"{server.url}/slots").json()
+        rest = list(lines)
+    busy = [s for s in now if s["is_processing"]]
+    assert len(busy) == 1 and busy[0]["id_task"] >= 0 and busy[0]["state"] == 1, (first, now, rest[-3:])
+
+    assert post("/detokenize", {"tokens": [10**9]}).json()["error"]["param"] == "tokens"
+    assert post("/tokenize", {"content": "x", "model": "no-such:1b"}).status_code == 404
+    assert post("/tokenize", {"content": "x", "bogus": 1}).json()["error"]["param"] == "bogus"
+
+
 def test_another_model_swaps_in_once_running_requests_finish(oll, server, gemma3_path):
     import threading
 
@@ -559,6 +607,26 @@ def test_responses_text_and_stream_agree(oai):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text == whole.output_text
+
+
+def test_llama_server_json_object_schema_constrains_the_output(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a person as JSON."}], "max_tokens": 80,
+            "temperature": 0, "response_format": {"type": "json_object", "schema": PERSON}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), PERSON)
+    body["response_format"] = {"type": "text", "schema": PERSON}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.schema"
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(oai):
+    kwargs = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 3, "temperature": 0}
+    whole = oai.responses.create(**kwargs)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in whole.output] == ["incomplete"]
+    done = [e for e in oai.responses.create(**kwargs, stream=True) if e.type == "response.output_item.done"]
+    assert [e.item.status for e in done] == ["incomplete"]
 
 
 def test_responses_tool_call_round_trip_and_json(oai):

@@ -24,13 +24,18 @@ def test_api_key_guards_everything_but_health(make_client):
         r = client.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
-        assert client.get("/api/tags").json() == {"error": "a valid API key is required: send it as 'Authorization: Bearer <key>'"}
+        assert client.get("/api/tags").json() == {"error": "a valid API key is required: send it as "
+                                                            "'Authorization: Bearer <key>' (or 'x-api-key: <key>')"}
+        r = client.post("/v1/messages/count_tokens", json={})
+        assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
         assert client.get("/metrics").status_code == 401
         assert client.get("/openapi.json").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         ok = {"Authorization": "Bearer s3cret"}
         assert client.get("/v1/models", headers=ok).json() == {"object": "list", "data": []}
         assert client.get("/api/tags", headers=ok).json() == {"models": []}
+        assert client.get("/api/tags", headers={"x-api-key": "s3cret"}).json() == {"models": []}  # Anthropic's header
+        assert client.get("/api/tags", headers={"x-api-key": "wrong"}).status_code == 401
 
 
 def test_cors_is_off_unless_an_origin_is_given(make_client):

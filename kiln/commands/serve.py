@@ -90,7 +90,7 @@ def cmd_serve(args) -> int:
     # The engine thread needs the GIL for a moment between native steps; with the default 5 ms switch
     # interval it can wait that long behind the event loop, a large share of a ~8 ms token.
     sys.setswitchinterval(0.0005)
-    print(f"kiln serving on http://{args.host}:{args.port} (OpenAI: /v1, Ollama: /api, docs: /docs)", file=sys.stderr)
+    print(f"kiln serving on http://{args.host}:{args.port} (OpenAI: /v1, Anthropic: /v1/messages, Ollama: /api, docs: /docs)", file=sys.stderr)
     server.run()
     if failures:
         raise KilnError(f"could not load {args.model}: {failures[0]}")

@@ -62,7 +62,7 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     from kiln.engine.grammar import Constraint, json_grammar
 
     tok = model.tokenizer
-    use_tools = bool(request.tools) and request.tool_choice != "none"
+    use_tools = _uses_tools(request)
     toolcalls.check_tool_choice(request.tools, request.tool_choice)
     prompt_field = "messages" if request.messages is not None else "prompt"
     try:
@@ -101,16 +101,37 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     return seq, ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
 
 
+def prompt_ids(model: Model, request: GenerationRequest) -> list[int]:
+    """The prompt `prepare` would run, as token ids (the servers count and tokenize with this)."""
+    toolcalls.check_tool_choice(request.tools, request.tool_choice)
+    return _prompt_ids(model, request, _uses_tools(request))
+
+
+def chat_prompt(model: Model, request: GenerationRequest) -> str:
+    """A chat request's `messages` (and tools) rendered by the model's chat template: the text `prepare` encodes."""
+    toolcalls.check_tool_choice(request.tools, request.tool_choice)
+    return _chat_text(model, request, _uses_tools(request))
+
+
+def _uses_tools(request: GenerationRequest) -> bool:
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def _chat_text(model: Model, request: GenerationRequest, use_tools: bool) -> str:
+    tok = model.tokenizer
+    chat = request.messages or []
+    if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
+        chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
+    messages, template_tools = toolcalls.render_messages(chat, request.tools if use_tools else None,
+                                                         tok.chat_template, request.tool_choice)
+    return tok.apply_chat_template(messages, tools=template_tools, max_tokens=model.n_ctx)
+
+
 def _prompt_ids(model: Model, request: GenerationRequest, use_tools: bool) -> list[int]:
     tok = model.tokenizer
     if request.messages is not None:
-        chat = request.messages
-        if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
-            chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
-        messages, template_tools = toolcalls.render_messages(chat, request.tools if use_tools else None,
-                                                             tok.chat_template, request.tool_choice)
         n = model.n_ctx  # a prompt longer than the context is refused before its tokens are counted out
-        ids = tok.encode(tok.apply_chat_template(messages, tools=template_tools, max_tokens=n), max_tokens=n)
+        ids = tok.encode(_chat_text(model, request, use_tools), max_tokens=n)
     elif isinstance(request.prompt, list):
         ids = token_ids(request.prompt, tok.vocab_size, "prompt")
     elif request.raw:

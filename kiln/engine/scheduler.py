@@ -25,6 +25,7 @@ leave through `cancel`, which the loop honours at its next step, freeing the slo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -68,6 +69,9 @@ class Finished:
     error: str | None = None  # why the request failed; None when it ended normally or was cancelled
 
 
+_request_ids = itertools.count()
+
+
 @dataclass(eq=False)
 class Request:
     seq: Sequence
@@ -77,6 +81,7 @@ class Request:
     cancelled: bool = False
     fed: int = 0  # how many of seq.all_ids have their KV in the slot
     last_step: int = -1
+    id: int = field(default_factory=lambda: next(_request_ids))  # what /slots says a slot serves
 
     @property
     def prefilling(self) -> bool:
@@ -182,6 +187,14 @@ class Scheduler:
             return {"running": len(self.running), "waiting": len(self.waiting),
                     "kv_used": sum(r.fed for r in self.running), "kv_capacity": self.n_slots * self.n_ctx,
                     "kv_cached": sum(len(self.slot_tokens[s]) for s in self.free)}
+
+    def slots(self) -> list[dict]:
+        """Each slot: the id of the request it serves (None when free) and how many tokens of KV it holds."""
+        with self._cv:
+            serving = {r.seq.slot: r for r in self.running}
+            return [{"id": s, "request": serving[s].id if s in serving else None,
+                     "cached": serving[s].fed if s in serving else len(self.slot_tokens[s])}
+                    for s in range(self.n_slots)]
 
     # --- the engine thread ----------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -108,6 +108,7 @@ class Sequence:
         self.decoder = self.tokenizer.stream()
         self.text = ""  # text released to the client
         self._held = ""  # decoded text withheld because it may be the start of a stop string
+        self.stop_string: str | None = None  # the stop string that ended the text, if one did
         self.timings.prompt_tokens = len(self.prompt_ids)
         self.started = time.perf_counter()
         self._last = self.started
@@ -181,7 +182,7 @@ class Sequence:
         for s in self.stop:
             at = text.find(s)
             if at != -1:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_string = "stop", s
                 text, final = text[:at], True
         if not final:
             keep = max((_overlap(text, s) for s in self.stop), default=0)

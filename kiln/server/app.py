@@ -1,6 +1,8 @@
-"""The HTTP app: OpenAI (/v1) and Ollama (/api) routers over one Runtime, plus /health and /metrics.
+"""The HTTP app: OpenAI (/v1), Anthropic (/v1/messages) and Ollama (/api) routers over one Runtime, plus
+/health and /metrics.
 
-Errors leave in the shape of the caller's API: Ollama's `{"error": message}` under /api, OpenAI's
+Errors leave in the shape of the caller's API: Ollama's `{"error": message}` under /api, Anthropic's
+`{"type": "error", "error": {type, message}}` under /v1/messages, OpenAI's
 `{"error": {message, type, param, code}}` everywhere else. No client ever gets a traceback.
 """
 
@@ -28,7 +30,7 @@ from kiln import __version__
 from kiln.chat import ChatTemplateError
 from kiln.engine.scheduler import QueueFullError, UnloadedError
 from kiln.errors import ContextLengthError, KilnError, ModelNotFoundError, RequestError, describe_os_error, without_paths
-from kiln.server import ollama, openai, responses
+from kiln.server import anthropic, llamacpp, ollama, openai, responses
 from kiln.server.runtime import Runtime, Settings
 
 log = logging.getLogger("kiln.server")
@@ -63,6 +65,8 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(ollama.router)
+    app.include_router(anthropic.router)
+    app.include_router(llamacpp.router)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, include_in_schema=False)
     async def root():
@@ -319,15 +323,17 @@ class BearerAuth:
     disconnect detection pass through untouched)."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {key}".encode(), key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        # Anthropic's clients send the key as x-api-key
+        if secrets.compare_digest(given, self.expected) or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key):
             return await self.app(scope, receive, send)
-        message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
+        message = "a valid API key is required: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
         response = error_response(scope["path"], 401, message, code="invalid_api_key", type_="authentication_error",
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
@@ -341,6 +347,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 def error_response(path: str, status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type_: str | None = None, headers: dict | None = None) -> JSONResponse:
     message = without_paths(message)  # the server's files are no client's business
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic.error_response(status, message, headers)
     if path.startswith("/api/"):
         body: dict = {"error": message}
     else:
@@ -406,7 +414,7 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
         if param in params:  # one line per field: a union type reports each alternative
             continue
         params.append(param)
-        parts.append(f"{param}: {e['msg']}")
+        parts.append(f"{param}: {'kiln does not implement this field' if e['type'] == 'extra_forbidden' else e['msg']}")
     return "invalid request: " + "; ".join(parts[:5]), params[0] if params else "body"
 
 

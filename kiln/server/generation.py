@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from kiln.chat import ChatTemplateError
@@ -24,7 +25,7 @@ class Job:
     """A generation request on the server: what to generate (in kiln's terms), with which model, and for
     whom; openai.py, responses.py and ollama.py translate into this."""
 
-    api: str  # "openai" or "ollama", for metrics
+    api: str  # "openai", "ollama" or "anthropic", for metrics
     model: str
     request: GenerationRequest
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever
@@ -50,6 +51,16 @@ class Final:
     @property
     def timings(self):
         return self.seq.timings
+
+
+@asynccontextmanager
+async def borrowed(runtime: Runtime, name: str):
+    """The loaded model `name`, held (loaded or swapped in) while a request reads its tokenizer or template."""
+    loaded = await runtime.acquire(name)
+    try:
+        yield loaded
+    finally:
+        await runtime.release(loaded, DEFAULT)
 
 
 async def start(runtime: Runtime, job: Job) -> Generation:

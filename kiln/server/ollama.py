@@ -259,7 +259,7 @@ async def embeddings(body: LegacyEmbeddingsRequest, request: Request):
     return {"embedding": result.vectors[0].astype(float).tolist()}
 
 
-@router.get("/tags", responses={401: _ERRORS[401]}, summary="Installed models")
+@router.api_route("/tags", methods=["GET", "HEAD"], responses={401: _ERRORS[401]}, summary="Installed models")
 async def tags(request: Request):
     return {"models": [_listing(r) for r in await _runtime(request).installed()]}
 
@@ -377,7 +377,7 @@ async def show(body: ModelRequest, request: Request):
                   f"{arch}.attention.head_count": info["heads"], f"{arch}.attention.head_count_kv": info["kv_heads"],
                   f"{arch}.attention.key_length": info["head_dim"]}
     shown = {"modelfile": modelfile_of(record), "parameters": parameters, "template": template,
-             "details": _details(record), "model_info": model_info, "capabilities": ["completion", "tools"],
+             "details": _details(record), "model_info": model_info, "capabilities": CAPABILITIES,
              "license": record.license or "", "modified_at": _modified(record)}
     return {**shown, "system": record.system} if record.system is not None else shown
 
@@ -431,9 +431,15 @@ async def delete(body: ModelRequest, request: Request):
     return Response(status_code=200)
 
 
-@router.get("/version", summary="kiln's version")
+@router.api_route("/version", methods=["GET", "HEAD"], summary="kiln's version")
 async def version():
     return {"version": __version__}
+
+
+# What every model can do here: complete; call tools (a template that does not render them gets them as a
+# system message, and a forced call is held to a grammar); embed (/api/embed takes any model's last
+# hidden state). kiln has no thinking switch and no fill-in-the-middle, so it claims neither.
+CAPABILITIES = ["completion", "tools", "embedding"]
 
 
 # --- translation ---------------------------------------------------------------------------------------

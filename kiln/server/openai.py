@@ -100,6 +100,23 @@ class JSONSchemaFormat(_Model):
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    object_schema: dict[str, Any] | None = Field(None, alias="schema", description="llama-server's form: with "
+                                                 "type json_object, the JSON schema the output must match")
+
+    def format(self) -> str | dict | None:
+        """kiln's `format`: None (text), ANY_JSON, or the schema."""
+        if self.object_schema is not None and self.type != "json_object":
+            raise RequestError(f"response_format.schema goes with the type json_object (got {self.type!r}); "
+                               "json_schema takes its schema in response_format.json_schema.schema",
+                               "response_format.schema")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise RequestError("response_format.json_schema is required when the type is json_schema",
+                               "response_format.json_schema")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ANY_JSON if self.object_schema is None else self.object_schema
+        return self.json_schema.json_schema if self.json_schema.json_schema is not None else ANY_JSON
 
 
 class StreamOptions(_Model):
@@ -173,13 +190,10 @@ class CompletionRequest(_Sampling):
 # --- endpoints -----------------------------------------------------------------------------------------
 @router.post("/chat/completions", responses=_ERRORS, summary="Chat completion (SSE when stream is true)")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    messages = [chat_message(i, m) for i, m in enumerate(body.messages)]
     fmt = body.response_format
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
-    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
-        raise RequestError("response_format.json_schema is required when the type is json_schema",
-                           "response_format.json_schema")
     completion = body.max_completion_tokens is not None
     job = Job("openai", body.model, GenerationRequest(
         **body.request_fields(), messages=messages,
@@ -187,8 +201,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         tools=[t.model_dump() for t in body.tools] if body.tools else None,
         tool_choice=_tool_choice(body.tool_choice),
-        format=None if fmt is None or fmt.type == "text" else
-        fmt.json_schema.json_schema if fmt.json_schema and fmt.json_schema.json_schema is not None else ANY_JSON))
+        format=None if fmt is None else fmt.format()))
     names = {**FIELDS, "max_tokens": "max_completion_tokens"} if completion else FIELDS
     with fields_named(names):
         generation = await start(_runtime(request), job)
@@ -285,7 +298,7 @@ def _fingerprint() -> str:
     return f"kiln-{__version__}"
 
 
-def _message(index: int, m: ChatMessage) -> dict:
+def chat_message(index: int, m: ChatMessage) -> dict:
     content = m.content
     if isinstance(content, list):
         for j, part in enumerate(content):

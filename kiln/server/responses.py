@@ -160,9 +160,14 @@ async def responses(body: ResponseRequest, request: Request):
 def _output(final: Final, message_id: str) -> list[dict]:
     items = []
     if final.text or not final.tool_calls:
-        items.append(_message_item(message_id, final.text, "completed"))
+        items.append(_message_item(message_id, final.text, _message_status(final)))
     items += [_call_item(c, "completed") for c in final.tool_calls]
     return items
+
+
+def _message_status(final: Final) -> str:
+    """A message cut by max_output_tokens is incomplete, as the response that holds it is."""
+    return "incomplete" if final.finish_reason == "length" else "completed"
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict:
@@ -231,7 +236,7 @@ async def _stream(events, shell: dict):
                 yield e
         if message_index is not None:
             part = {"type": "output_text", "text": text, "annotations": []}
-            output[message_index] = _message_item(message_id, text, "completed")
+            output[message_index] = _message_item(message_id, text, _message_status(event))
             yield {"type": "response.output_text.done", "item_id": message_id, "output_index": message_index,
                    "content_index": 0, "text": text, "logprobs": []}
             yield {"type": "response.content_part.done", "item_id": message_id, "output_index": message_index,

@@ -1,0 +1,132 @@
+"""llama-server's introspection endpoints, which its clients probe: /tokenize, /detokenize,
+/apply-template, /props and /slots.
+
+llama-server serves one model; kiln serves whichever is named. Each request may name it (`model` in the
+body, `?model=` on a GET); unnamed, it is the loaded model. /props and /slots never load a model: with
+none loaded /slots is empty and /props says only what the server itself knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln import __version__
+from kiln.engine.request import GenerationRequest, chat_prompt, sampling_params, token_ids
+from kiln.errors import RequestError
+from kiln.server.generation import borrowed
+from kiln.server.openai import ChatMessage, Tool, chat_message
+from kiln.server.runtime import Runtime
+from kiln.tools import template_supports_tools
+
+router = APIRouter(tags=["llama-server"])
+_ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `param`)"},
+           401: {"description": "Missing or wrong API key"}, 404: {"description": "Unknown model"}}
+
+
+class _Named(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field kiln does not implement is an error naming it
+
+    model: str | None = Field(None, description="kiln extension: the model to use; default the loaded one")
+
+
+class TokenizeRequest(_Named):
+    content: str
+    add_special: bool = Field(False, description="add the BOS token, as the model's file says to")
+    parse_special: bool = Field(True, description="read special tokens' text as those tokens")
+    with_pieces: bool = Field(False, description="each token as {id, piece}: its text, or its bytes when not UTF-8")
+
+
+class DetokenizeRequest(_Named):
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(_Named):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+
+
+@router.post("/tokenize", responses=_ERRORS, summary="Token ids of a text (llama-server)")
+async def tokenize(body: TokenizeRequest, request: Request):
+    async with borrowed(_runtime(request), _model(request, body.model)) as loaded:
+        tok = loaded.model.tokenizer
+        ids = await asyncio.to_thread(tok.encode, body.content, None if body.add_special else False, body.parse_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids]}
+
+
+@router.post("/detokenize", responses=_ERRORS, summary="The text of token ids (llama-server)")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    async with borrowed(_runtime(request), _model(request, body.model)) as loaded:
+        tok = loaded.model.tokenizer
+        ids = token_ids(body.tokens, tok.vocab_size, "tokens")
+        return {"content": tok.decode(ids, skip_special=False)}
+
+
+@router.post("/apply-template", responses=_ERRORS, summary="The prompt a chat renders to (llama-server)")
+async def apply_template(body: ApplyTemplateRequest, request: Request):
+    chat = GenerationRequest(messages=[chat_message(i, m) for i, m in enumerate(body.messages)],
+                             tools=[t.model_dump() for t in body.tools] if body.tools else None)
+    async with borrowed(_runtime(request), _model(request, body.model)) as loaded:
+        return {"prompt": await asyncio.to_thread(chat_prompt, loaded.model, chat)}
+
+
+@router.get("/props", responses={401: _ERRORS[401]}, summary="The server and its model (llama-server)")
+async def props(request: Request):
+    runtime = _runtime(request)
+    loaded = runtime.loaded
+    settings = {"n_ctx": loaded.model.n_ctx if loaded else runtime.settings.ctx_len, "is_processing":
+                bool(loaded and loaded.active)}
+    out = {"total_slots": runtime.settings.parallel, "modalities": {"vision": False, "audio": False},
+           "build_info": f"kiln {__version__}", "model_alias": None, "model_path": None, "chat_template": None,
+           "chat_template_caps": None, "eos_token": None}
+    if loaded is not None:
+        model, tok = loaded.model, loaded.model.tokenizer
+        sampling = {**_sampling_defaults(model), "n_predict": -1, "stop": list(model.stop)}
+        settings["params"] = sampling
+        out.update(model_alias=loaded.tag, model_path=str(loaded.record.path), chat_template=tok.chat_template,
+                   chat_template_caps={"supports_tools": template_supports_tools(tok.chat_template)},
+                   eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else None)
+    return {"default_generation_settings": settings, **out}
+
+
+@router.get("/slots", responses={401: _ERRORS[401]}, summary="Each KV slot's state (llama-server)")
+async def slots(request: Request):
+    loaded = _runtime(request).loaded
+    if loaded is None:
+        return []
+    n_ctx = loaded.model.n_ctx
+    return [{"id": s["id"], "id_task": s["request"] if s["request"] is not None else -1, "n_ctx": n_ctx,
+             "is_processing": s["request"] is not None, "state": 0 if s["request"] is None else 1,
+             "tokens_cached": s["cached"], "model": loaded.tag} for s in loaded.scheduler.slots()]
+
+
+def _sampling_defaults(model) -> dict:
+    """The sampling a request that sets nothing gets (llama-server's names are kiln's)."""
+    p = sampling_params(model, {})
+    return {**dataclasses.asdict(p), "seed": -1 if p.seed is None else p.seed}
+
+
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _model(request: Request, named: str | None) -> str:
+    if named:
+        return named
+    loaded = _runtime(request).loaded
+    if loaded is None:
+        raise RequestError("model: no model is loaded; name the model to use", "model")
+    return loaded.tag
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """llama-server's piece: the token's text, or its bytes when they are not whole UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
