@@ -147,8 +147,8 @@ class ReasoningParser:
                     reasoning, self._buffer = reasoning + self._buffer.rstrip(), ""
                     return self._released(reasoning), content
                 # Held back: a marker's start, and trailing whitespace the close may follow.
-                keep = max([len(self._buffer) - len(self._buffer.rstrip())] +
-                           [partial_marker(self._buffer, m) for m in (self.style.close, self.ends_at) if m])
+                keep = max(partial_marker(self._buffer, m) for m in (self.style.close, self.ends_at) if m)
+                keep += len(self._buffer) - keep - len(self._buffer[: len(self._buffer) - keep].rstrip())
                 reasoning += self._buffer[: len(self._buffer) - keep]
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return self._released(reasoning), content
