@@ -52,7 +52,7 @@ def template_supports_thinking(template: str) -> bool:
 
 def template_variables(style: ThinkingStyle | None, think: bool | str | None, model: str) -> dict:
     """The variables that pass `think` (True/False, or an effort) to the template."""
-    if think is None:
+    if think is None or (think is False and style is None):  # nothing to turn off
         return {}
     if style is None:
         raise RequestError((Field("think"), f": model {model!r} does not support thinking (its chat template has "

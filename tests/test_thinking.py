@@ -101,6 +101,7 @@ def test_think_becomes_the_templates_own_switch():
     assert "Reasoning Mode: /no_think" in flagged and flagged.endswith("<think>\n\n</think>\n")
     assert template_variables(thinking_style(GRANITE_STYLE), "high", "m") == {"thinking": True}
     assert template_variables(thinking_style(EFFORT_STYLE), "low", "m") == {"reasoning_effort": "low"}
+    assert template_variables(None, False, "plain:1b") == {}
     with pytest.raises(RequestError, match="think: model 'plain:1b' does not support thinking") as e:
         template_variables(None, True, "plain:1b")
     assert e.value.param == "think"
@@ -207,6 +208,10 @@ def test_kiln_run_shows_thinking_dimmed_hides_it_or_turns_it_off(qwen, capsys):
     assert capsys.readouterr().out == "Three!\n"
     assert main(["run", str(qwen.path), "How many?", "--think=false", "-c", "128"]) == 0
     assert capsys.readouterr().out == "Three!\n"
+    assert main(["run", str(qwen.path), "How many?", "--think", "--raw", "-c", "128"]) == 1
+    assert "--think needs the chat template" in capsys.readouterr().err
+    assert main(["run", str(qwen.path), "How many?", "--think", "maybe", "-c", "128"]) == 1
+    assert "--think: expected true, false, low, medium or high" in capsys.readouterr().err
 
 
 # --- through a real server and the official clients --------------------------------------------------

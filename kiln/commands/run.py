@@ -85,7 +85,7 @@ def sampling_from_args(args) -> dict:
 
 ANY_JSON = "json"  # as kiln.engine.request.ANY_JSON, which registering the command does not import
 # kiln's request fields, as this command's flags name them
-FLAGS = {"format": "--format", "max_tokens": "--num-predict", "speculative.mode": "--draft",
+FLAGS = {"format": "--format", "max_tokens": "--num-predict", "think": "--think", "speculative.mode": "--draft",
          "speculative.max": "--draft-max", "speculative.ngram": "--ngram"}
 
 
@@ -167,10 +167,9 @@ class Chat:
     def request(self, text: str):
         from kiln.engine.request import GenerationRequest
 
-        turn = {"max_tokens": self.num_predict, "sampling": self.sampling, "format": self.format}
+        turn = {"max_tokens": self.num_predict, "sampling": self.sampling, "format": self.format, "think": self.think}
         if self.raw:
             return GenerationRequest(prompt=text, raw=True, **turn)
-        turn["think"] = self.think
         system = [{"role": "system", "content": self.system}] if self.system else []
         return GenerationRequest(messages=system + self.messages + [{"role": "user", "content": text}], **turn)
 
@@ -196,11 +195,10 @@ class Chat:
                 if not self.hide_thinking:
                     dim.print(item.text, style="dim", markup=False, end="")
                 continue
-            piece = item if isinstance(item, str) else tool_call_text(item)
             if reasoning and not answer and not self.hide_thinking:
                 out.write("\n\n")
-            answer.append(piece)
-            out.write(piece)
+            answer.append(item)  # text: kiln run offers no tools, so the parser yields no calls
+            out.write(item)
             out.flush()
         out.write("\n")
         out.flush()
@@ -218,13 +216,6 @@ def parsed(pieces, parser):
     for piece in pieces:
         yield from parser.feed(piece)
     yield from parser.close()
-
-
-def tool_call_text(call) -> str:
-    """A tool call as the answer shows it (kiln run offers no tools; a template may still lead to one)."""
-    import json
-
-    return json.dumps({"name": call.name, "arguments": call.arguments})
 
 
 def print_stats(seq, model, file) -> None:
