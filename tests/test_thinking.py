@@ -69,6 +69,7 @@ INSIDE = ["Hmm", "</think>", "\n\n", "Hi"]  # DeepSeek-R1: the prompt opened the
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 HI = [{"role": "user", "content": "How many?"}]
+RESPONSE_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
 
 
 def split(parser, text: str, size: int) -> tuple[str, str, list]:
@@ -224,7 +225,7 @@ def server(models, tmp_path_factory):
     store = Store(home=home)
     for tag, path in models.items():
         store.create(tag, Recipe(str(path)), progress=False)
-    with kiln_server(home, "qwen-think", "--parallel", "1", "--ctx-len", "256") as s:
+    with kiln_server(home, "qwen-think", "--parallel", "1", "--ctx-len", "1024") as s:
         yield s
 
 
@@ -294,6 +295,19 @@ def test_responses_api_reasoning_item(oai):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me count."
     done = events[-1].response
     assert [item.type for item in done.output] == ["reasoning", "message"] and done.output_text == "Three!"
+    # a tool loop resends the output, reasoning item and all
+    called = oai.responses.create(model="qwen-tools", input="Weather?", tools=[RESPONSE_TOOL])
+    assert [item.type for item in called.output] == ["reasoning", "function_call"]
+    call = called.output[1]
+    def resend(items):
+        return oai.responses.create(model="qwen-tools", tools=[RESPONSE_TOOL], input=[
+            {"role": "user", "content": "Weather?"}, *[item.model_dump(exclude_none=True) for item in items],
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+
+    again, without = resend(called.output), resend(called.output[1:])
+    assert again.status == without.status == "completed"
+    # the template renders the turn's reasoning: <think>, \n, the text (18 bytes, one merge: " t"), \n, </think>, \n\n
+    assert again.usage.input_tokens - without.usage.input_tokens == 1 + 1 + 17 + 1 + 1 + 1
 
 
 def test_ollama_think_and_thinking(oll):

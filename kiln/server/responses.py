@@ -52,6 +52,21 @@ class FunctionCallOutput(_Model):
     output: str
 
 
+class ReasoningText(_Model):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInput(_Model):
+    """A reasoning item of an earlier response, resent with the conversation: the next assistant turn's
+    reasoning, rendered as the model's template wants (most drop it)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+
+
 class FunctionTool(_Model):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -84,8 +99,8 @@ class ReasoningConfig(_Model):
 
 class ResponseRequest(_Model):
     model: str = Field(description="an installed model tag, e.g. smollm2:135m")
-    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput] = Field(
-        description="a text, or message, function_call and function_call_output items")
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningInput] = Field(
+        description="a text, or message, function_call, function_call_output and reasoning items")
     instructions: str | None = Field(None, description="a system message put before the input")
     max_output_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -103,7 +118,11 @@ def _messages(body: ResponseRequest) -> list[dict]:
     out: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(body.input):
+        if isinstance(item, ReasoningInput):
+            reasoning += "".join(p.text for p in item.content or item.summary)
+            continue
         if isinstance(item, InputMessage):
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
@@ -119,6 +138,8 @@ def _messages(body: ResponseRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], reasoning = reasoning, ""
     if not out:
         raise RequestError("input is empty", "input")
     return out
