@@ -219,6 +219,10 @@ class OutputParser:
     def errors(self) -> list[str]:
         return self.calls.errors if self.calls else []
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
+
     def feed(self, text: str) -> list[str | ToolCall | Reasoning]:
         return self._split(*(self.reasoning.feed(text) if self.reasoning else ("", text)), final=False)
 

@@ -244,6 +244,7 @@ def test_openai_reasoning_content_whole_and_streamed(oai):
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content, whole.choices[0].finish_reason) == (
         "Let me count.", "Three!", "stop")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 3  # <think>, "Let me count", "."
     chunks = list(oai.chat.completions.create(model="qwen-think", messages=HI, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me count."
@@ -289,6 +290,7 @@ def test_responses_api_reasoning_item(oai):
     whole = oai.responses.create(model="qwen-think", input="How many?")
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "Let me count." and whole.output_text == "Three!"
+    assert whole.usage.output_tokens_details.reasoning_tokens == 3
     events = list(oai.responses.create(model="qwen-think", input="How many?", stream=True))
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")

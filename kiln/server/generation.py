@@ -43,6 +43,7 @@ class Final:
     finish_reason: str  # stop, length, tool_calls, invalid_tool_call, cancelled, error
     text: str  # all content released (tool-call text excluded)
     thinking: str  # all reasoning released
+    reasoning_tokens: int  # the tokens generated inside the reasoning block
     tool_calls: list[ToolCall]
     tool_error: str | None
     error: str | None  # the engine failed this request
@@ -83,6 +84,7 @@ class Generation:
         self._done = False
         self._text: list[str] = []
         self._thinking: list[str] = []
+        self._reasoning_tokens = 0
         self._calls: list[ToolCall] = []
 
     def _sink(self, event: Token | Finished) -> None:  # on the engine thread
@@ -116,6 +118,8 @@ class Generation:
                 event = await self._events.get()
                 if isinstance(event, Token):
                     delta = self._delta(self.parser.feed(event.text) if self.parser else [event.text])
+                    if delta.thinking or (self.parser is not None and self.parser.in_reasoning):
+                        self._reasoning_tokens += 1
                     if event.logprob is not None:
                         delta.logprobs.append(event.logprob)
                     if delta.text or delta.thinking or delta.tool_calls or delta.logprobs:
@@ -165,7 +169,7 @@ class Generation:
             reason = "tool_calls"
         elif reason == "stop" and errors:
             reason = "invalid_tool_call"
-        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), "".join(self._thinking), self._calls,
+        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), "".join(self._thinking), self._reasoning_tokens, self._calls,
                      "; ".join(errors) or None, event.error)
 
     async def _account(self) -> None:

@@ -339,7 +339,8 @@ def usage(final: Final) -> dict:
     t = final.timings
     return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
             "total_tokens": t.prompt_tokens + t.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": final.reasoning_tokens}}
 
 
 def timings(final: Final) -> dict:

@@ -216,7 +216,7 @@ def _finished(shell: dict, final: Final, output: list[dict]) -> dict:
     return {**shell, "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output": output,
             "usage": {"input_tokens": t.prompt_tokens, "input_tokens_details": {"cached_tokens": t.cached_tokens},
-                      "output_tokens": t.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": t.completion_tokens, "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
                       "total_tokens": t.prompt_tokens + t.completion_tokens},
             "timings": timings(final)}
 
