@@ -169,8 +169,8 @@ class Generation:
             reason = "tool_calls"
         elif reason == "stop" and errors:
             reason = "invalid_tool_call"
-        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), "".join(self._thinking), self._reasoning_tokens, self._calls,
-                     "; ".join(errors) or None, event.error)
+        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), "".join(self._thinking),
+                     self._reasoning_tokens, self._calls, "; ".join(errors) or None, event.error)
 
     async def _account(self) -> None:
         t = self.seq.timings

@@ -10,6 +10,10 @@ Speculative decoding per request, an extra body field (the OpenAI SDKs pass it w
 `"speculative": {"mode": "lookup", "max": 8, "ngram": 3}`. `mode` is none, lookup (prompt lookup) or
 model (the server's --draft-model); omitted fields take the server's defaults (kiln serve --draft,
 --draft-max, --ngram). Requests under a grammar (response_format, a forced tool call) never speculate.
+
+Thinking models' reasoning comes back as `reasoning_content` (llama-server's and DeepSeek's field) on the
+message and on stream deltas; `reasoning_effort` switches it (none: off) and `chat_template_kwargs`
+reach the template as given.
 """
 
 from __future__ import annotations
