@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.grammar import tagged_json_grammar
 from kiln.errors import RequestError
+from kiln.thinking import ReasoningParser, partial_marker
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -28,6 +29,13 @@ class ToolCall:
     name: str
     arguments: dict
     id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+
+@dataclass
+class Reasoning:
+    """Reasoning text, as the output parser releases it."""
+
+    text: str
 
 
 def template_supports_tools(template: str) -> bool:
@@ -141,7 +149,7 @@ class ToolCallParser:
                 items.append(self._buffer[:at])
                 self._buffer, self._in_call = self._buffer[at + len(OPEN):], True
                 continue
-            keep = 0 if final else _partial_tag(self._buffer)
+            keep = 0 if final else partial_marker(self._buffer, OPEN)
             items.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return items
@@ -173,14 +181,6 @@ def _parse_call(body: str, names: set[str]) -> tuple[str | None, ToolCall | None
     return None, ToolCall(data["name"], arguments)
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of `text` that begins OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
-
-
 def _text(content) -> str:
     if content is None:
         return ""
@@ -206,3 +206,32 @@ def _with_argument_objects(index: int, message: dict) -> dict:
                 raise RequestError(f"{param} is not valid JSON ({e})", param) from None
         fixed.append({**call, "function": function})
     return {**message, "tool_calls": fixed}
+
+
+class OutputParser:
+    """A reply split once as it streams: its reasoning (when the template thinks), then content and tool
+    calls, which are parsed only outside the reasoning."""
+
+    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCallParser | None):
+        self.reasoning, self.calls = reasoning, calls
+
+    @property
+    def errors(self) -> list[str]:
+        return self.calls.errors if self.calls else []
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
+
+    def feed(self, text: str) -> list[str | ToolCall | Reasoning]:
+        return self._split(*(self.reasoning.feed(text) if self.reasoning else ("", text)), final=False)
+
+    def close(self) -> list[str | ToolCall | Reasoning]:
+        return self._split(*(self.reasoning.close() if self.reasoning else ("", "")), final=True)
+
+    def _split(self, reasoning: str, content: str, final: bool) -> list[str | ToolCall | Reasoning]:
+        items: list[str | ToolCall | Reasoning] = [Reasoning(reasoning)] if reasoning else []
+        if self.calls is None:
+            return items + ([content] if content else [])
+        items += self.calls.feed(content) if content else []
+        return items + (self.calls.close() if final else [])

@@ -68,7 +68,7 @@ def test_errors_take_the_shape_of_each_api(make_client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
         r = client.post("/api/generate", json={"model": "m", "prompt": "x", "keep_alive": "soon"})
         assert r.status_code == 400 and "keep_alive" in r.json()["error"]
-        r = client.post("/api/generate", content='{"model": "m", "prompt": "x", "think": true}',
+        r = client.post("/api/generate", content='{"model": "m", "prompt": "x", "think": "very"}',
                         headers={"content-type": "application/x-www-form-urlencoded"})  # as `curl -d` sends it
         assert r.status_code == 400 and "think" in r.json()["error"]
         r = client.get("/v1/nothing")

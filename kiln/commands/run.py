@@ -10,6 +10,8 @@ from kiln.errors import KilnError
 HELP = """Commands:
   /set temperature|top_p|top_k|min_p|seed|num_predict|system|format VALUE
   /set noformat   answer in free text again
+  /set think [low|medium|high]   think before answering (thinking models)
+  /set nothink    answer without thinking
   /show      model details        /verbose   toggle timing stats
   /save NAME keep this model with the chat's system message and sampling as a new model
   /load NAME continue the chat with another model
@@ -31,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--format", metavar="json|SCHEMA",
                    help="answer in JSON: 'json' for any object, or a JSON schema the answer must match "
                         "(inline, or a file holding it)")
+    p.add_argument("--think", nargs="?", const="true", metavar="true|false|low|medium|high",
+                   help="thinking models: think before answering (default: the model's own default), or not")
+    p.add_argument("--hidethinking", action="store_true", help="do not show the model's thinking, only its answer")
     p.add_argument("--verbose", action="store_true", help="print timing stats after each answer")
     p.set_defaults(func=cmd_run)
 
@@ -80,8 +85,20 @@ def sampling_from_args(args) -> dict:
 
 ANY_JSON = "json"  # as kiln.engine.request.ANY_JSON, which registering the command does not import
 # kiln's request fields, as this command's flags name them
-FLAGS = {"format": "--format", "max_tokens": "--num-predict", "speculative.mode": "--draft",
+FLAGS = {"format": "--format", "max_tokens": "--num-predict", "think": "--think", "speculative.mode": "--draft",
          "speculative.max": "--draft-max", "speculative.ngram": "--ngram"}
+
+
+def think_value(value: str | None, name: str = "--think") -> bool | str | None:
+    """--think's value: None (the template's default), True, False or an effort."""
+    if value is None:
+        return None
+    word = value.lower()
+    if word in ("true", "false"):
+        return word == "true"
+    if word in ("low", "medium", "high"):
+        return word
+    raise KilnError(f"{name}: expected true, false, low, medium or high, got {value!r}")
 
 
 def output_format(value: str | None):
@@ -122,6 +139,8 @@ class Chat:
         self.messages: list[dict] = []
         self.verbose = False
         self.format = None  # None, ANY_JSON or a JSON schema: what the answer must be
+        self.think: bool | str | None = None  # thinking on, off or an effort; None: the template's default
+        self.hide_thinking = False  # thinking models: show only the answer
         self.load_options: dict = {}  # how /load loads another model: backend, context, threads
         self._scheduler = None
         self.last = None  # the last answer's Sequence: its tokens, text and timings
@@ -148,29 +167,55 @@ class Chat:
     def request(self, text: str):
         from kiln.engine.request import GenerationRequest
 
-        turn = {"max_tokens": self.num_predict, "sampling": self.sampling, "format": self.format}
+        turn = {"max_tokens": self.num_predict, "sampling": self.sampling, "format": self.format, "think": self.think}
         if self.raw:
             return GenerationRequest(prompt=text, raw=True, **turn)
         system = [{"role": "system", "content": self.system}] if self.system else []
         return GenerationRequest(messages=system + self.messages + [{"role": "user", "content": text}], **turn)
 
     def ask(self, text: str, out=None) -> None:
+        from rich.console import Console
+
         from kiln.engine.generate import generate
         from kiln.engine.request import prepare
         from kiln.errors import fields_named
+        from kiln.tools import Reasoning
 
         out = out or sys.stdout  # looked up per call: sys.stdout may be replaced after import
+        dim = Console(file=out, highlight=False, soft_wrap=True)  # plain text where out is no terminal
         with fields_named(FLAGS):
-            seq, _ = prepare(self.model, self.request(text), self.drafter, self.spec)
+            seq, parser = prepare(self.model, self.request(text), self.drafter, self.spec)
         self.last = seq
-        for piece in generate(self.scheduler, seq):
-            out.write(piece)
+        answer, reasoning = [], []
+        for item in parsed(generate(self.scheduler, seq), parser):
+            if isinstance(item, Reasoning):
+                if not reasoning and not self.hide_thinking:
+                    dim.print("Thinking...", style="dim", markup=False)
+                reasoning.append(item.text)
+                if not self.hide_thinking:
+                    dim.print(item.text, style="dim", markup=False, end="")
+                continue
+            if reasoning and not answer and not self.hide_thinking:
+                out.write("\n\n")
+            answer.append(item)  # text: kiln run offers no tools, so the parser yields no calls
+            out.write(item)
             out.flush()
         out.write("\n")
         out.flush()
-        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": seq.text}]
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": "".join(answer), "thinking": "".join(reasoning)}]
         if self.verbose:
             print_stats(seq, self.model, file=sys.stderr)
+
+
+def parsed(pieces, parser):
+    """The reply's pieces as the output parser splits them (reasoning, text, tool calls), as they arrive."""
+    if parser is None:
+        yield from pieces
+        return
+    for piece in pieces:
+        yield from parser.feed(piece)
+    yield from parser.close()
 
 
 def print_stats(seq, model, file) -> None:
@@ -213,6 +258,7 @@ def cmd_run(args) -> int:
     chat = Chat(model, sampling_from_args(args), num_predict, system, args.raw, spec, drafter)
     chat.verbose = args.verbose
     chat.format = answer_format
+    chat.think, chat.hide_thinking = think_value(args.think), args.hidethinking
     chat.load_options = {"backend": args.backend, "n_ctx": args.ctx_len, "threads": args.threads}
     if prompt:
         chat.ask(prompt)
@@ -312,6 +358,12 @@ def slash_command(chat: Chat, line: str) -> bool:
     elif cmd == "/set" and words[1:] == ["noformat"]:
         chat.format = None
         print("Answers are free text again.", file=sys.stderr)
+    elif cmd == "/set" and words[1:] == ["think"]:
+        chat.think = True
+        print("Thinking on.", file=sys.stderr)
+    elif cmd == "/set" and words[1:] == ["nothink"]:
+        chat.think = False
+        print("Thinking off.", file=sys.stderr)
     elif cmd in ("/?", "/help"):
         print(HELP, file=sys.stderr)
     else:
@@ -333,6 +385,8 @@ def set_option(chat: Chat, name: str, value: str) -> None:
             chat.sampling = {**chat.sampling, name: number}
         elif name == "format":
             chat.format = output_format(value)
+        elif name == "think":
+            chat.think = think_value(value, "think")
         else:
             print(f"Unknown option {name!r}. /? for help.", file=sys.stderr)
             return
@@ -350,6 +404,7 @@ def show_model(chat: Chat) -> None:
         f"context:      {m.n_ctx} of {c.context_length}\nbackend:      {m.engine.name}\n"
         f"sampling:     temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}, min_p {p.min_p}, "
         f"repeat_penalty {p.repeat_penalty}, seed {p.seed}\nnum_predict:  {chat.num_predict}\n"
-        f"format:       {'free text' if chat.format is None else 'JSON' if chat.format == ANY_JSON else 'JSON schema'}",
+        f"format:       {'free text' if chat.format is None else 'JSON' if chat.format == ANY_JSON else 'JSON schema'}\n"
+        f"think:        {'default' if chat.think is None else chat.think}",
         file=sys.stderr,
     )

@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln import thinking
 from kiln import tools as toolcalls
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import SpecOptions, speculation
 from kiln.errors import ContextLengthError, Field, RequestError
 from kiln.sampling import SamplingParams
-from kiln.tools import ToolCallParser
+from kiln.tools import OutputParser, ToolCallParser
 
 if TYPE_CHECKING:
     from kiln.engine.model import Model
@@ -47,6 +48,8 @@ class GenerationRequest:
     speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
     embed: bool = False  # the prompt's final hidden state is wanted, not tokens
+    think: bool | str | None = None  # thinking on or off, or an effort (low/medium/high); None: the template's default
+    template_variables: dict = field(default_factory=dict)  # more variables for the chat template
 
 
 def sampling_params(model: Model, overrides: dict) -> SamplingParams:
@@ -55,10 +58,10 @@ def sampling_params(model: Model, overrides: dict) -> SamplingParams:
 
 
 def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | None = None,
-            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, ToolCallParser | None]:
+            speculative: SpecOptions = SpecOptions()) -> tuple[Sequence, OutputParser | None]:
     """The request's sequence (prompt ids, sampling, budget, stops, grammar, speculation), and the parser
-    of its tool calls when it offers tools. `speculative` is the caller's default, which the request's
-    own options override; `drafter` the loaded draft model, if any."""
+    of its output when it offers tools or the template thinks. `speculative` is the caller's default,
+    which the request's own options override; `drafter` the loaded draft model, if any."""
     from kiln.engine.grammar import Constraint, json_grammar
 
     tok = model.tokenizer
@@ -66,7 +69,7 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     toolcalls.check_tool_choice(request.tools, request.tool_choice)
     prompt_field = "messages" if request.messages is not None else "prompt"
     try:
-        ids = _prompt_ids(model, request, use_tools)
+        ids, reasoning = _prompt_ids(model, request, use_tools)
     except ContextLengthError as e:  # refused on its length, before all of it was encoded
         raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
     if not ids:
@@ -98,40 +101,82 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
                    logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
                    speculation=speculation(options, drafter, SPECULATIVE[0]))
-    return seq, ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
+    calls = ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
+    if reasoning is not None and calls is not None:
+        reasoning.ends_at = toolcalls.OPEN
+    return seq, OutputParser(reasoning, calls) if reasoning or calls else None
 
 
 def prompt_ids(model: Model, request: GenerationRequest) -> list[int]:
     """The prompt `prepare` would run, as token ids (the servers count and tokenize with this)."""
     toolcalls.check_tool_choice(request.tools, request.tool_choice)
-    return _prompt_ids(model, request, _uses_tools(request))
+    return _prompt_ids(model, request, _uses_tools(request))[0]
 
 
 def chat_prompt(model: Model, request: GenerationRequest) -> str:
     """A chat request's `messages` (and tools) rendered by the model's chat template: the text `prepare` encodes."""
     toolcalls.check_tool_choice(request.tools, request.tool_choice)
-    return _chat_text(model, request, _uses_tools(request))
+    return _chat_text(model, request, _uses_tools(request))[0]
 
 
 def _uses_tools(request: GenerationRequest) -> bool:
     return bool(request.tools) and request.tool_choice != "none"
 
 
-def _chat_text(model: Model, request: GenerationRequest, use_tools: bool) -> str:
+def _chat_text(model: Model, request: GenerationRequest,
+               use_tools: bool) -> tuple[str, thinking.ReasoningParser | None]:
+    """A chat request's prompt text, and the parser of the reasoning its reply holds."""
     tok = model.tokenizer
     chat = request.messages or []
     if model.system is not None and not any(m.get("role") in ("system", "developer") for m in chat):
         chat = [{"role": "system", "content": model.system}, *chat]  # a created model's own system message
+    chat = thinking.history_messages(chat, thinking.thinking_style(tok.chat_template))
     messages, template_tools = toolcalls.render_messages(chat, request.tools if use_tools else None,
                                                          tok.chat_template, request.tool_choice)
-    return tok.apply_chat_template(messages, tools=template_tools, max_tokens=model.n_ctx)
+    return _render(model, request, messages, template_tools)
 
 
-def _prompt_ids(model: Model, request: GenerationRequest, use_tools: bool) -> list[int]:
+# Variables kiln itself gives every chat template; a request's own variables may not replace them.
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_variables(model: Model, request: GenerationRequest,
+                        style: thinking.ThinkingStyle | None) -> tuple[dict, bool]:
+    """The variables the chat template gets for thinking, and whether the reasoning is wanted."""
+    taken = next((k for k in request.template_variables if k in _TEMPLATE_OWN), None)
+    if taken is not None:
+        raise RequestError((Field("template_variables"), f" may not set {taken!r}, which kiln gives the template"),
+                           "template_variables")
+    variables = {**thinking.template_variables(style, request.think, model.tag), **request.template_variables}
+    switch = variables.get(style.switch) if style is not None and style.switch else request.think
+    return variables, switch is not False
+
+
+def _render(model: Model, request: GenerationRequest, messages: list[dict],
+            tools: list[dict] | None = None) -> tuple[str, thinking.ReasoningParser | None]:
+    """The chat template's prompt, with the request's thinking switch, and the parser of the reasoning
+    the reply holds when the template thinks (inside the block from the start when the prompt opens it)."""
+    style = thinking.thinking_style(model.tokenizer.chat_template)
+    variables, keep = _template_variables(model, request, style)
+    text = model.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=model.n_ctx, **variables)
+    if style is None:
+        return text, None
+    return text, thinking.ReasoningParser(style, text.rstrip().endswith(style.open), keep)
+
+
+def _prompt_ids(model: Model, request: GenerationRequest,
+                use_tools: bool) -> tuple[list[int], thinking.ReasoningParser | None]:
+    """The prompt's token ids, and the parser of the reasoning the reply holds when the template thinks."""
     tok = model.tokenizer
+    reasoning = None
+    chat_template = request.messages is not None or (not request.raw and isinstance(request.prompt, str))
+    if not chat_template and (request.think is not None or request.template_variables):
+        param = "think" if request.think is not None else "template_variables"
+        raise RequestError((Field(param), " needs the chat template: the prompt is sent raw"), param)
     if request.messages is not None:
-        n = model.n_ctx  # a prompt longer than the context is refused before its tokens are counted out
-        ids = tok.encode(_chat_text(model, request, use_tools), max_tokens=n)
+        text, reasoning = _chat_text(model, request, use_tools)
+        # a prompt longer than the context is refused before its tokens are counted out
+        ids = tok.encode(text, max_tokens=model.n_ctx)
     elif isinstance(request.prompt, list):
         ids = token_ids(request.prompt, tok.vocab_size, "prompt")
     elif request.raw:
@@ -139,11 +184,11 @@ def _prompt_ids(model: Model, request: GenerationRequest, use_tools: bool) -> li
     else:
         system = request.system or model.system
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": request.prompt}]
-        ids = tok.encode(tok.apply_chat_template(messages, max_tokens=model.n_ctx),
-                         add_bos=None if not request.context else False, max_tokens=model.n_ctx)
+        text, reasoning = _render(model, request, messages)
+        ids = tok.encode(text, add_bos=None if not request.context else False, max_tokens=model.n_ctx)
     if request.context:
         ids = token_ids(request.context, tok.vocab_size, "context") + ids
-    return ids
+    return ids, reasoning
 
 
 def token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:

@@ -15,7 +15,7 @@ from kiln.engine.scheduler import Finished, Request, Token
 from kiln.engine.sequence import Sequence
 from kiln.errors import without_paths
 from kiln.server.runtime import DEFAULT, Loaded, Runtime
-from kiln.tools import ToolCall, ToolCallParser
+from kiln.tools import OutputParser, Reasoning, ToolCall
 
 log = logging.getLogger("kiln.server")
 
@@ -34,6 +34,7 @@ class Job:
 @dataclass
 class Delta:
     text: str = ""
+    thinking: str = ""  # reasoning, when the model thinks
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
 
@@ -44,6 +45,8 @@ class Final:
     seq: Sequence
     finish_reason: str  # stop, length, tool_calls, invalid_tool_call, cancelled, error
     text: str  # all content released (tool-call text excluded)
+    thinking: str  # all reasoning released
+    reasoning_tokens: int  # the tokens generated inside the reasoning block
     tool_calls: list[ToolCall]
     tool_error: str | None
     error: str | None  # the engine failed this request
@@ -95,13 +98,15 @@ class Generation:
     """One request in flight: engine events in, `Delta`s and a `Final` out. Accounting (metrics, releasing
     the model) happens when the engine retires the request, whether or not anyone still reads the events."""
 
-    def __init__(self, runtime: Runtime, loaded: Loaded, job: Job, seq: Sequence, parser: ToolCallParser | None):
+    def __init__(self, runtime: Runtime, loaded: Loaded, job: Job, seq: Sequence, parser: OutputParser | None):
         self.runtime, self.loaded, self.job, self.seq, self.parser = runtime, loaded, job, seq, parser
         self.request = Request(seq, self._sink)
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._done = False
         self._text: list[str] = []
+        self._thinking: list[str] = []
+        self._reasoning_tokens = 0
         self._calls: list[ToolCall] = []
 
     def _sink(self, event: Token | Finished) -> None:  # on the engine thread
@@ -133,14 +138,16 @@ class Generation:
                 event = await self._events.get()
                 if isinstance(event, Token):
                     delta = self._delta(self.parser.feed(event.text) if self.parser else [event.text])
+                    if delta.thinking or (self.parser is not None and self.parser.in_reasoning):
+                        self._reasoning_tokens += 1
                     if event.logprob is not None:
                         delta.logprobs.append(event.logprob)
-                    if delta.text or delta.tool_calls or delta.logprobs:
+                    if delta.text or delta.thinking or delta.tool_calls or delta.logprobs:
                         yield delta
                     continue
                 if self.parser is not None:
                     delta = self._delta(self.parser.close())
-                    if delta.text or delta.tool_calls:
+                    if delta.text or delta.thinking or delta.tool_calls:
                         yield delta
                 yield self._final(event)
                 return
@@ -164,9 +171,12 @@ class Generation:
         for item in items:
             if isinstance(item, ToolCall):
                 delta.tool_calls.append(item)
+            elif isinstance(item, Reasoning):
+                delta.thinking += item.text
             else:
                 delta.text += item
         self._text.append(delta.text)
+        self._thinking.append(delta.thinking)
         self._calls += delta.tool_calls
         return delta
 
@@ -179,8 +189,9 @@ class Generation:
             reason = "tool_calls"
         elif reason == "stop" and errors:
             reason = "invalid_tool_call"
-        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), self._calls,
-                     "; ".join(errors) or None, event.error and without_paths(event.error))  # it goes to the client
+        return Final(self.loaded.tag, self.seq, reason, "".join(self._text), "".join(self._thinking),
+                     self._reasoning_tokens, self._calls, "; ".join(errors) or None,
+                     event.error and without_paths(event.error))  # it goes to the client
 
     async def _account(self) -> None:
         t = self.seq.timings

@@ -87,6 +87,8 @@ class Message(_Model):
     images: list[str] | None = Field(None, description="not supported: kiln runs text models")
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
+    thinking: str | None = Field(None, description="an assistant turn's reasoning; the template decides "
+                                                   "whether it is rendered")
 
 
 class _Generation(_Model):
@@ -96,14 +98,14 @@ class _Generation(_Model):
     stream: bool = True
     keep_alive: float | str | None = Field(None, description='how long the model stays loaded: "5m", seconds, '
                                                              '0 unloads, negative keeps it forever')
-    think: bool | str | None = Field(None, description="not supported: no thinking models yet")
+    think: bool | Literal["low", "medium", "high"] | None = Field(
+        None, description="thinking on or off (or an effort, where the template takes one); the reasoning comes "
+                          "back as `thinking`")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def request_fields(self) -> dict:
         """The kiln request fields both generating endpoints share."""
-        if self.think:
-            raise RequestError("think: kiln's models do not think (no reasoning models yet)", "think")
         o = self.options or Options()
         unknown = sorted(set(o.model_extra or {}) - _HARDWARE_OPTIONS)
         if unknown:
@@ -115,7 +117,7 @@ class _Generation(_Model):
                 "max_tokens": o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None,
                 "stop": [o.stop] if isinstance(o.stop, str) else list(o.stop or []),
                 "format": (self.format if isinstance(self.format, dict) else ANY_JSON) if self.format else None,
-                "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "logprobs": (self.top_logprobs or 0) if self.logprobs else None, "think": self.think,
                 "speculative": {k: v for k, v in (("mode", o.draft), ("max", o.draft_max), ("ngram", o.draft_ngram))
                                 if v is not None}}
 
@@ -208,7 +210,7 @@ async def chat(body: ChatRequest, request: Request):
     logprobs, final = await generation.collect(request)
     if final.error:
         raise KilnError(final.error)
-    message: dict = {"role": "assistant", "content": final.text}
+    message: dict = {"role": "assistant", "content": final.text, **_thinking(final.thinking)}
     if final.tool_calls:
         message["tool_calls"] = [_tool_call(c) for c in final.tool_calls]
     return {**_head(tag), "message": message, **_done(final), **_logprobs(logprobs)}
@@ -232,7 +234,8 @@ async def generate(body: GenerateRequest, request: Request):
     logprobs, final = await generation.collect(request)
     if final.error:
         raise KilnError(final.error)
-    return {**_head(tag), "response": final.text, **_done(final), "context": final.seq.all_ids, **_logprobs(logprobs)}
+    return {**_head(tag), "response": final.text, **_thinking(final.thinking), **_done(final),
+            "context": final.seq.all_ids, **_logprobs(logprobs)}
 
 
 @router.post("/embed", responses=_ERRORS, summary="Embeddings: each input's last final hidden state, normalized")
@@ -365,6 +368,7 @@ async def copy(body: CopyRequest, request: Request):
 async def show(body: ModelRequest, request: Request):
     from kiln.modelinfo import describe, modelfile_of
     from kiln.modelfile import parameter_items
+    from kiln.thinking import template_supports_thinking
 
     record = await _runtime(request).resolve(body.tag())
     info = await asyncio.to_thread(describe, record)
@@ -377,7 +381,8 @@ async def show(body: ModelRequest, request: Request):
                   f"{arch}.attention.head_count": info["heads"], f"{arch}.attention.head_count_kv": info["kv_heads"],
                   f"{arch}.attention.key_length": info["head_dim"]}
     shown = {"modelfile": modelfile_of(record), "parameters": parameters, "template": template,
-             "details": _details(record), "model_info": model_info, "capabilities": CAPABILITIES,
+             "details": _details(record), "model_info": model_info,
+             "capabilities": [*CAPABILITIES, *(["thinking"] if template_supports_thinking(template) else [])],
              "license": record.license or "", "modified_at": _modified(record)}
     return {**shown, "system": record.system} if record.system is not None else shown
 
@@ -476,6 +481,10 @@ def _logprobs(records: list[dict]) -> dict:
                          for r in records]}
 
 
+def _thinking(text: str) -> dict:
+    return {"thinking": text} if text else {}
+
+
 def _tool_call(call) -> dict:
     return {"function": {"name": call.name, "arguments": call.arguments}}
 
@@ -484,6 +493,8 @@ def _message(index: int, m: Message) -> dict:
     if m.images:
         raise RequestError(f"messages[{index}].images: kiln runs text models", f"messages[{index}].images")
     out: dict = {"role": m.role, "content": m.content}
+    if m.thinking:
+        out["thinking"] = m.thinking
     if m.tool_calls:
         out["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in m.tool_calls]
     if m.tool_name:
@@ -535,7 +546,7 @@ def _ndjson(lines) -> StreamingResponse:
 async def _chat_lines(events, tag: str):
     async for event in events:
         if isinstance(event, Delta):
-            message: dict = {"role": "assistant", "content": event.text}
+            message: dict = {"role": "assistant", "content": event.text, **_thinking(event.thinking)}
             if event.tool_calls:
                 message["tool_calls"] = [_tool_call(c) for c in event.tool_calls]
             yield {**_head(tag), "message": message, "done": False, **_logprobs(event.logprobs)}
@@ -548,7 +559,8 @@ async def _chat_lines(events, tag: str):
 async def _generate_lines(events, tag: str):
     async for event in events:
         if isinstance(event, Delta):
-            yield {**_head(tag), "response": event.text, "done": False, **_logprobs(event.logprobs)}
+            yield {**_head(tag), "response": event.text, **_thinking(event.thinking), "done": False,
+                   **_logprobs(event.logprobs)}
         elif event.error:
             yield {"error": event.error}
         else:

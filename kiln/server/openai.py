@@ -10,6 +10,10 @@ Speculative decoding per request, an extra body field (the OpenAI SDKs pass it w
 `"speculative": {"mode": "lookup", "max": 8, "ngram": 3}`. `mode` is none, lookup (prompt lookup) or
 model (the server's --draft-model); omitted fields take the server's defaults (kiln serve --draft,
 --draft-max, --ngram). Requests under a grammar (response_format, a forced tool call) never speculate.
+
+Thinking models' reasoning comes back as `reasoning_content` (llama-server's and DeepSeek's field) on the
+message and on stream deltas; `reasoning_effort` switches it (none: off) and `chat_template_kwargs`
+reach the template as given.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from kiln.server.generation import Delta, Final, Job, start
 from kiln.server.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
-FIELDS = {"format": "response_format"}  # kiln's request fields that OpenAI names otherwise
+# kiln's request fields that OpenAI names otherwise
+FIELDS = {"format": "response_format", "think": "reasoning_effort", "template_variables": "chat_template_kwargs"}
+# reasoning_effort as kiln's think: none turns thinking off, an effort turns it on
+_EFFORTS = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high"}
 
 _ERRORS = {400: {"description": "Invalid request (OpenAI error object naming `param`)"},
            401: {"description": "Missing or wrong API key"},
@@ -68,6 +75,8 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, description="an assistant turn's reasoning (llama-server, "
+                                                            "DeepSeek); the template decides whether it is rendered")
 
 
 class FunctionDef(_Model):
@@ -177,6 +186,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="accepted; a grammar-forced call is always one call")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="thinking models: none turns thinking off, an effort turns it on (passed to the "
+                          "template where it takes one); the reasoning comes back as reasoning_content")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="llama-server extension: more variables "
+                                                                          "for the chat template (enable_thinking, ...)")
 
 
 class CompletionRequest(_Sampling):
@@ -201,6 +215,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         tools=[t.model_dump() for t in body.tools] if body.tools else None,
         tool_choice=_tool_choice(body.tool_choice),
+        think=None if body.reasoning_effort is None else _EFFORTS[body.reasoning_effort],
+        template_variables=dict(body.chat_template_kwargs or {}),
         format=None if fmt is None else fmt.format()))
     names = {**FIELDS, "max_tokens": "max_completion_tokens"} if completion else FIELDS
     with fields_named(names):
@@ -213,6 +229,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs, final = await generation.collect(request)
     _raise_engine_error(final)
     message: dict = {"role": "assistant", "content": final.text if final.text or not final.tool_calls else None}
+    if final.thinking:
+        message["reasoning_content"] = final.thinking
     if final.tool_calls:
         message["tool_calls"] = [_tool_call(c) for c in final.tool_calls]
     choice = {"index": 0, "message": message, "finish_reason": final.finish_reason,
@@ -314,6 +332,8 @@ def chat_message(index: int, m: ChatMessage) -> dict:
         out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 
@@ -337,7 +357,8 @@ def usage(final: Final) -> dict:
     t = final.timings
     return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
             "total_tokens": t.prompt_tokens + t.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": t.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": final.reasoning_tokens}}
 
 
 def timings(final: Final) -> dict:
@@ -394,6 +415,8 @@ async def _chat_chunks(events, meta: dict, include_usage: bool):
     async for event in events:
         if isinstance(event, Delta):
             delta: dict = {"content": event.text} if event.text else {}
+            if event.thinking:
+                delta["reasoning_content"] = event.thinking
             if event.tool_calls:
                 delta["tool_calls"] = [_tool_call(c, n_calls + i) for i, c in enumerate(event.tool_calls)]
                 n_calls += len(event.tool_calls)

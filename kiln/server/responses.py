@@ -16,11 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import RequestError, fields_named
-from kiln.server.openai import _ERRORS, _raise_engine_error, _runtime, timings
+from kiln.server.openai import _EFFORTS, _ERRORS, _raise_engine_error, _runtime, timings
 from kiln.server.generation import Delta, Final, Job, start
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
-FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "format": "text.format"}  # kiln's fields, as named here
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "format": "text.format",
+          "think": "reasoning.effort"}  # kiln's fields, as named here
 
 
 class _Model(BaseModel):
@@ -51,6 +52,21 @@ class FunctionCallOutput(_Model):
     output: str
 
 
+class ReasoningText(_Model):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInput(_Model):
+    """A reasoning item of an earlier response, resent with the conversation: the next assistant turn's
+    reasoning, rendered as the model's template wants (most drop it)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+
+
 class FunctionTool(_Model):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -75,10 +91,16 @@ class TextConfig(_Model):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Model):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="thinking models: none turns thinking off, an effort turns it on")
+    summary: str | None = Field(None, description="accepted; the reasoning item carries the whole reasoning text")
+
+
 class ResponseRequest(_Model):
     model: str = Field(description="an installed model tag, e.g. smollm2:135m")
-    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput] = Field(
-        description="a text, or message, function_call and function_call_output items")
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningInput] = Field(
+        description="a text, or message, function_call, function_call_output and reasoning items")
     instructions: str | None = Field(None, description="a system message put before the input")
     max_output_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -88,6 +110,7 @@ class ResponseRequest(_Model):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     previous_response_id: str | None = Field(None, description="not supported: kiln keeps no responses")
+    reasoning: ReasoningConfig | None = None
 
 
 def _messages(body: ResponseRequest) -> list[dict]:
@@ -95,7 +118,11 @@ def _messages(body: ResponseRequest) -> list[dict]:
     out: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return out + [{"role": "user", "content": body.input}]
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(body.input):
+        if isinstance(item, ReasoningInput):
+            reasoning += "".join(p.text for p in item.content or item.summary)
+            continue
         if isinstance(item, InputMessage):
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
@@ -111,6 +138,8 @@ def _messages(body: ResponseRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], reasoning = reasoning, ""
     if not out:
         raise RequestError("input is empty", "input")
     return out
@@ -129,6 +158,7 @@ def _job(body: ResponseRequest) -> Job:
     return Job("openai", body.model, GenerationRequest(
         messages=_messages(body), sampling={"temperature": body.temperature, "top_p": body.top_p},
         max_tokens=body.max_output_tokens, tools=tools or None,
+        think=_EFFORTS[body.reasoning.effort] if body.reasoning and body.reasoning.effort else None,
         tool_choice={"type": "function", "function": {"name": choice.name}} if isinstance(choice, NamedFunction)
         else choice or "auto",
         format=None if fmt is None or fmt.type == "text" else ANY_JSON if fmt.json_schema is None else fmt.json_schema))
@@ -158,7 +188,7 @@ async def responses(body: ResponseRequest, request: Request):
 
 
 def _output(final: Final, message_id: str) -> list[dict]:
-    items = []
+    items = [_reasoning_item(f"rs_{uuid.uuid4().hex}", final.thinking, "completed")] if final.thinking else []
     if final.text or not final.tool_calls:
         items.append(_message_item(message_id, final.text, _message_status(final)))
     items += [_call_item(c, "completed") for c in final.tool_calls]
@@ -175,6 +205,11 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
+
+
 def _call_item(call, status: str) -> dict:
     return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
             "arguments": json.dumps(call.arguments), "status": status}
@@ -186,7 +221,7 @@ def _finished(shell: dict, final: Final, output: list[dict]) -> dict:
     return {**shell, "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output": output,
             "usage": {"input_tokens": t.prompt_tokens, "input_tokens_details": {"cached_tokens": t.cached_tokens},
-                      "output_tokens": t.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": t.completion_tokens, "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
                       "total_tokens": t.prompt_tokens + t.completion_tokens},
             "timings": timings(final)}
 
@@ -197,6 +232,16 @@ async def _stream(events, shell: dict):
     yield {"type": "response.created", "response": {**shell, "status": "in_progress", "output": []}}
     yield {"type": "response.in_progress", "response": {**shell, "status": "in_progress", "output": []}}
     message_id, text, message_index, output = f"msg_{uuid.uuid4().hex}", "", None, []
+    reasoning_id, reasoning, reasoning_index = f"rs_{uuid.uuid4().hex}", "", None
+
+    def close_reasoning():
+        nonlocal reasoning_index
+        if reasoning_index is None or output[reasoning_index] is not None:
+            return
+        output[reasoning_index] = _reasoning_item(reasoning_id, reasoning, "completed")
+        yield {"type": "response.reasoning_text.done", "item_id": reasoning_id, "output_index": reasoning_index,
+               "content_index": 0, "text": reasoning}
+        yield {"type": "response.output_item.done", "output_index": reasoning_index, "item": output[reasoning_index]}
 
     def open_message():
         yield {"type": "response.output_item.added", "output_index": len(output),
@@ -207,6 +252,18 @@ async def _stream(events, shell: dict):
 
     async for event in events:
         if isinstance(event, Delta):
+            if event.thinking:
+                if reasoning_index is None:
+                    reasoning_index = len(output)
+                    output.append(None)  # the reasoning's place, filled when it is done
+                    yield {"type": "response.output_item.added", "output_index": reasoning_index,
+                           "item": _reasoning_item(reasoning_id, None, "in_progress")}
+                reasoning += event.thinking
+                yield {"type": "response.reasoning_text.delta", "item_id": reasoning_id,
+                       "output_index": reasoning_index, "content_index": 0, "delta": event.thinking}
+            if event.text or event.tool_calls:
+                for e in close_reasoning():
+                    yield e
             if event.text:
                 if message_index is None:
                     message_index = len(output)
@@ -230,8 +287,11 @@ async def _stream(events, shell: dict):
             yield {"type": "response.failed", "response": {**shell, "status": "failed", "output": [],
                                                            "error": {"code": "server_error", "message": event.error}}}
             return
-        if message_index is None and not output:  # nothing said at all: still one (empty) message
-            message_index = 0
+        for e in close_reasoning():
+            yield e
+        if message_index is None and not any(item["type"] != "reasoning" for item in output):
+            # nothing said at all: still one (empty) message
+            message_index = len(output)
             for e in open_message():
                 yield e
         if message_index is not None:
