@@ -349,8 +349,9 @@ class Store:
         if entry is None:
             raise self._not_found(name_or_path, tag)
         manifest = self._manifest_path(tag)
-        if not force and manifest.is_file() and not (record := self._record_from_manifest(tag, manifest)).problem:
-            return record
+        previous = self._record_from_manifest(tag, manifest) if manifest.is_file() else None
+        if not force and previous and not previous.problem:
+            return previous
         blob = self._blob_path(entry.sha256) if entry.sha256 else None
         with self._pull_dir() as tmp, _progress(progress) as bar:
             if blob and blob.is_file() and blob.stat().st_size == entry.size and not force:
@@ -359,7 +360,10 @@ class Store:
                 source, sha256 = self._fetch(entry, tmp, bar)
             size = self._blob_path(sha256).stat().st_size
             fields = {"sha256": sha256, "size": size, "file": entry.file, "source": source}
-            return self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
+            record = self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
+        if previous and previous.sha256 and previous.sha256 != sha256:  # the hub's file changed since
+            self._drop_blob_if_unused(previous.sha256)
+        return record
 
     def remove(self, tag: str) -> ModelRecord:
         record = self._installed_record(tag)

@@ -318,6 +318,20 @@ def test_pull_of_a_catalog_tag_is_verified_against_the_hub(tmp_path, hub, kiln, 
     assert rows["qwen3:0.6b"]["need_basis"] == "footprint" and rows["qwen3:0.6b-q8_0"]["installed"] is False
 
 
+def test_pull_force_of_a_file_the_hub_replaced_drops_the_old_blob(tmp_path, hub, home, monkeypatch):
+    from kiln.synth import write_random_gguf
+
+    old, filename = _serve_as_catalog_tag(tmp_path, hub, monkeypatch, "qwen3:0.6b")
+    assert Store().pull("qwen3:0.6b", progress=False).sha256 == hashlib.sha256(old).hexdigest()
+    new = write_random_gguf(tmp_path / "new.gguf", "tiny-qwen3", seed=1).read_bytes()
+    hub.add("unsloth/Qwen3-0.6B-GGUF", filename, new)  # re-uploaded upstream
+
+    record = Store().pull("qwen3:0.6b", progress=False, force=True)
+
+    assert record.sha256 == hashlib.sha256(new).hexdigest() and record.size == len(new)
+    assert store_files(home, "blobs") == [f"sha256-{record.sha256}"]
+
+
 @pytest.mark.parametrize("reported,says", [
     (hashlib.sha256(b"other bytes").hexdigest(), "sha256 mismatch"),
     ("0123456789abcdef0123456789abcdef01234567", "the hub reports no sha256"),  # a git (non-LFS) file's etag
