@@ -34,6 +34,11 @@ def _meminfo_kib(field: str) -> int | None:
     return None
 
 
+def mem_available_bytes() -> int | None:
+    kib = _meminfo_kib("MemAvailable")
+    return kib * 1024 if kib is not None else None
+
+
 def transparent_hugepages() -> str:
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()

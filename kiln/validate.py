@@ -23,6 +23,7 @@ import numpy as np
 
 PASSED, FAILED, WARNING, INFO = "passed", "failed", "warning", "info"
 MiB = 1 << 20
+HUGE_PAGE = 2 * MiB  # arenas and the KV cache are whole huge pages
 ARENA_PROBE_BYTES = 64 * MiB
 
 
@@ -246,6 +247,41 @@ def process_rss_bytes() -> int | None:
     return None
 
 
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_slots: int = 1) -> int:
+    """The engine's KV cache: fp16 keys and values per layer, slot, position and KV head, positions in whole
+    groups of 8, in whole huge pages."""
+    kv_ctx = -(-n_ctx // 8) * 8
+    return -(-2 * 2 * n_layers * n_slots * kv_ctx * n_kv_heads * head_dim // HUGE_PAGE) * HUGE_PAGE
+
+
+# bits per weight of a whole file: the block formats' own; Q4_K_M mixes types, 4.58 GiB for Llama-3-8B's
+# 8.03B weights in llama-quantize's table
+_FILE_BITS_PER_WEIGHT = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_M": 4.9, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0}
+
+
+def catalog_need(entry) -> tuple[int | None, str]:
+    """What loading a catalog model would take before its file is here, and what the figure rests on: its
+    download size (or, unknown, its parameters at its quantization's bits per weight) plus the KV cache at
+    the default context. None, and why, when the catalog cannot say."""
+    from kiln.engine.model import DEFAULT_CTX
+
+    if entry.shape is None:
+        return None, "no shape in the catalog"
+    kv = kv_cache_bytes(entry.shape["layers"], entry.shape["kv_heads"], entry.shape["head_dim"],
+                        min(entry.context_length, DEFAULT_CTX))
+    if entry.size is not None:
+        return entry.size + kv, "download size + KV cache"
+    count = entry.parameters.upper()
+    bits = _FILE_BITS_PER_WEIGHT.get(entry.quantization.upper())
+    try:
+        n = float(count[:-1]) * {"B": 1e9, "M": 1e6}[count[-1]]
+    except (ValueError, KeyError, IndexError):
+        return None, f"size unknown, parameters {entry.parameters!r} unreadable"
+    if bits is None:
+        return None, f"size unknown, no bits per weight for {entry.quantization}"
+    return int(n * bits / 8) + kv, "parameters x bits per weight + KV cache"
+
+
 def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     """What loading `ref` allocates, computed from the GGUF without loading it: the packed weight arena
     (exact: each matrix's packed size rounded as the engine places it), the KV cache (exact) and the
@@ -274,10 +310,8 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
             rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
             for ggml in packed_parts(int(t.type), rows, cols, split=name in heads_of(root)):
                 weights += arena_bytes(ggml, rows, cols)
-        huge = 2 * MiB  # arenas are whole huge pages
-        weights = -(-max(weights, 1) // huge) * huge
-        kv_ctx = -(-n_ctx // 8) * 8  # the engine keeps keys in whole groups of 8 positions
-        kv = -(-2 * 2 * cfg.n_layers * n_slots * kv_ctx * cfg.n_kv_heads * cfg.head_dim // huge) * huge
+        weights = -(-max(weights, 1) // HUGE_PAGE) * HUGE_PAGE
+        kv = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, n_slots)
         defaults = {k: p.default for k, p in inspect.signature(NativeEngine.__init__).parameters.items()}
         # per row and layer at most: residual, norm and norm-add outputs (10 x dim), q, attention output and
         # its activations (3 x q width), the GLU output and its activations (2 x ffn), all fp32; the decode

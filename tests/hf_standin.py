@@ -3,6 +3,7 @@
 It answers HEAD and GET on /{repo}/resolve/{revision}/{filename} with the headers the client checks
 (huggingface_hub/file_download.py, `get_hf_file_metadata` and `_get_metadata_or_catch_error`):
 X-Repo-Commit (required), ETag (the file's sha256, as the Hub gives for LFS files) and Content-Length.
+A file is also served at the commit X-Repo-Commit names, as the Hub serves it at its resolved revision.
 Unknown files get 404 with X-Error-Code: EntryNotFound, as on the Hub. `stall_after` holds a body back
 after that many bytes until `resume` is set, so a test can interrupt a download part-way.
 """
@@ -20,6 +21,7 @@ _CHUNK = 64 * 1024
 class HubStandIn:
     def __init__(self):
         self.files: dict[str, bytes] = {}  # URL path → content
+        self.etags: dict[str, str] = {}  # URL path → the ETag reported instead of the content's sha256
         self.requests: list[tuple[str, str]] = []  # (method, path) in arrival order
         self.stall_after: int | None = None
         self.resume = threading.Event()
@@ -31,8 +33,12 @@ class HubStandIn:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self._server.server_port}"
 
-    def add(self, repo: str, filename: str, content: bytes, revision: str = "main") -> None:
-        self.files[f"/{repo}/resolve/{revision}/{filename}"] = content
+    def add(self, repo: str, filename: str, content: bytes, revision: str = "main", etag: str | None = None) -> None:
+        """Serve `content`; `etag` reports another digest than its sha256 (a git file's 40-hex sha1, say)."""
+        for rev in (revision, COMMIT):
+            self.files[f"/{repo}/resolve/{rev}/{filename}"] = content
+            if etag is not None:
+                self.etags[f"/{repo}/resolve/{rev}/{filename}"] = etag
 
     def __enter__(self) -> HubStandIn:
         self._thread.start()
@@ -64,7 +70,7 @@ def _handler_for(hub: HubStandIn):
                 return
             self.send_response(200)
             self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+            self.send_header("ETag", f'"{hub.etags.get(path) or hashlib.sha256(content).hexdigest()}"')
             self.send_header("Content-Length", str(len(content)))
             self.send_header("Content-Type", "application/octet-stream")
             self.end_headers()

@@ -69,7 +69,7 @@ def test_kiln_run_and_the_server_give_the_same_greedy_tokens():
 
     prompt, sampling = "Name three colours.", {"temperature": 0.0, "repeat_penalty": 1.2}
     store = Store(home=TEST_HOME)
-    with TestClient(create_app(Settings(parallel=2, ctx_len=256), store=store)) as client:
+    with TestClient(create_app(Settings(parallel=2, ctx_len=256), store=store), base_url="http://127.0.0.1") as client:
         r = client.post("/api/generate", json={"model": "smollm2:135m", "prompt": prompt, "stream": False,
                                               "options": {**sampling, "num_predict": 24}})
     assert r.status_code == 200, r.text

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
-from hf_standin import HubStandIn
+from hf_standin import COMMIT, HubStandIn
 
 from kiln import cli
 from kiln.errors import ModelFileError, ModelNotFoundError, StoreError
@@ -168,6 +168,72 @@ def test_malformed_catalog_names_the_field(catalog):
     assert str(path) in message and "'tiny:1'" in message and "'sha256'" in message
 
 
+# The catalog's tags: Ollama's names (`name` alone is name:latest), each Q4_K_M with a q8_0 variant.
+QUANTIZED_TAGS = [
+    "qwen3:0.6b", "qwen3:1.7b", "qwen3:4b", "qwen3:8b",
+    "qwen2.5:0.5b", "qwen2.5:1.5b", "qwen2.5:3b", "qwen2.5:7b",
+    "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b", "qwen2.5-coder:3b", "qwen2.5-coder:7b",
+    "llama3.2:1b", "llama3.2:3b", "llama3.1:8b", "gemma3:1b", "gemma3:4b", "phi4-mini", "granite3.3:2b",
+    "olmo2:1b", "smollm2:1.7b", "smollm3:3b", "deepseek-r1:1.5b", "deepseek-r1:7b", "mistral:7b",
+]
+OTHER_TAGS = ["smollm2:135m", "gemma3:270m", "llama3.2", "qwen3"]
+
+
+def test_list_json_carries_every_catalog_tag(kiln):
+    rc, out, _ = kiln("list", "--json")
+    rows = json.loads(out)
+    by_name = {name: row for row in rows for name in (row["tag"], *row["aliases"])}
+
+    assert rc == 0
+    for name in QUANTIZED_TAGS + OTHER_TAGS:
+        tag = name if ":" in name else f"{name}:latest"
+        assert tag in by_name, tag
+        row = by_name[tag]
+        assert row["installed"] is False and row["family"] and row["context_length"] > 0 and row["labels"], tag
+        assert row["from"] and (row["size"] is None or row["size"] > 0), tag
+        assert row["need_bytes"] > 0 and isinstance(row["fits"], bool), tag
+    for name in QUANTIZED_TAGS:
+        row = by_name[name if ":" in name else f"{name}:latest"]
+        variant = by_name[f"{row['tag']}-q8_0"]
+        assert row["quantization"] == "Q4_K_M" and by_name[f"{row['tag']}-q4_k_m"] is row, name
+        assert variant["quantization"] == "Q8_0" and variant["family"] == row["family"], name
+    assert by_name["llama3.2:latest"]["tag"] == "llama3.2:3b" and by_name["qwen3:latest"]["tag"] == "qwen3:8b"
+    assert by_name["phi4-mini:latest"]["tag"] == "phi4-mini:3.8b"
+
+
+def test_bundled_entries_name_a_hub_file_of_their_quantization():
+    entries, _ = load_catalog(CATALOG_PATH)
+    for tag, e in entries.items():
+        hf = [s for s in e.sources if s["kind"] == "hf"]
+        assert hf and all(s["filename"] == e.file for s in hf), tag
+        assert e.quantization.lower() in e.file.lower(), tag
+        assert e.origin and e.shape, tag
+        # a digest without a pinned revision could go stale on a re-upload: the hub's own is used instead
+        assert e.sha256 is None or any(s["revision"] != "main" for s in hf) or tag in ("smollm2:135m", "gemma3:270m")
+
+
+def test_list_says_what_fits_this_machine(monkeypatch):
+    from kiln.commands.models import list_rows
+
+    monkeypatch.setattr("kiln.machine.mem_available_bytes", lambda: 1 << 30)
+    rows = {row["tag"]: row for row in list_rows(Store(), "available")}
+
+    small, large = rows["qwen3:0.6b"], rows["qwen3:8b"]
+    assert small["size"] is None and small["need_basis"] == "parameters x bits per weight + KV cache"
+    kv = 2 * 2 * 28 * 4096 * 8 * 128  # fp16 K and V, 28 layers, 8 KV heads of 128, the default 4096 tokens
+    assert small["need_bytes"] == int(0.6e9 * 4.9 / 8) + kv and small["fits"] is True
+    assert large["fits"] is False
+    assert rows["smollm3:3b"]["need_basis"] == "download size + KV cache"
+
+
+def test_entry_without_sha256_takes_only_hub_sources(catalog):
+    unmeasured = entry(b"x", [pypi_source("kiln-test-tiny", "1.0", ("kiln-test-tiny", "tiny.gguf"))])
+    unmeasured["sha256"] = None
+    path = catalog({"tiny:1": unmeasured})
+    message = _message(StoreError, Store)
+    assert str(path) in message and "sources[0]" in message and "without a sha256" in message
+
+
 def test_unknown_tag_suggests_close_ones():
     message = _message(ModelNotFoundError, Store().resolve, "smolm2:135m")
     assert "'smolm2:135m' not found" in message and "smollm2:135m" in message
@@ -204,6 +270,87 @@ def test_hf_sha_mismatch_installs_nothing(tmp_path, hub, catalog, monkeypatch, h
     assert "tiny:1m" in message and "sha256 mismatch" in message and "\n" not in message
     assert Store().installed() == []
     assert store_files(home, "blobs") == [] and store_files(home, "tmp") == []
+    assert [method for method, _ in hub.requests] == ["HEAD"]  # refused on the hub's word, before downloading
+
+
+def test_hf_size_other_than_the_catalogs_is_refused_before_downloading(tmp_path, hub, catalog, monkeypatch):
+    content = write_gguf(tmp_path / "tiny.gguf")
+    hub.add("org/tiny", "tiny.gguf", content)
+    wrong_size = {**entry(content, [hf_source()]), "size": len(content) + 1}
+    catalog({"tiny:1m": wrong_size})
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+
+    message = _message(StoreError, Store().pull, "tiny:1m", progress=False)
+
+    assert f"the hub reports {len(content)} bytes for tiny.gguf, the catalog says {len(content) + 1}" in message
+    assert Store().installed() == [] and [method for method, _ in hub.requests] == ["HEAD"]
+
+
+def _serve_as_catalog_tag(tmp_path, hub, monkeypatch, tag: str, **add) -> tuple[bytes, str]:
+    """A small qwen3 GGUF served where the bundled catalog's `tag` points on the stand-in hub."""
+    from kiln.synth import write_random_gguf
+
+    content = write_random_gguf(tmp_path / "model.gguf", "tiny-qwen3").read_bytes()
+    (source,) = load_catalog(CATALOG_PATH)[0][tag].sources
+    hub.add(source["repo"], source["filename"], content, **add)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    return content, source["filename"]
+
+
+def test_pull_of_a_catalog_tag_is_verified_against_the_hub(tmp_path, hub, kiln, home, monkeypatch):
+    content, filename = _serve_as_catalog_tag(tmp_path, hub, monkeypatch, "qwen3:0.6b")
+    digest = hashlib.sha256(content).hexdigest()
+
+    rc, out, err = kiln("pull", "qwen3:0.6b")  # the catalog has neither its size nor its sha256
+
+    assert rc == 0, err
+    assert out.startswith("qwen3:0.6b: ") and f"sha256 {digest}" in out
+    assert f"from Hugging Face unsloth/Qwen3-0.6B-GGUF/{filename}@main" in out
+    manifest = json.loads((home / "manifests" / "qwen3" / "0.6b.json").read_text())
+    assert (manifest["sha256"], manifest["size"]) == (digest, len(content))
+    assert (home / "blobs" / f"sha256-{digest}").read_bytes() == content and store_files(home, "tmp") == []
+    # the bytes come from the commit whose sha256 the hub reported, not from whatever main is by then
+    assert ("GET", f"/unsloth/Qwen3-0.6B-GGUF/resolve/{COMMIT}/{filename}") in hub.requests
+    served = len(hub.requests)
+    assert kiln("pull", "qwen3:0.6b-q4_K_M")[0] == 0 and len(hub.requests) == served  # an alias, installed
+    rows = {row["tag"]: row for row in json.loads(kiln("list", "--json")[1])}
+    assert rows["qwen3:0.6b"]["installed"] and rows["qwen3:0.6b"]["size"] == len(content)
+    assert rows["qwen3:0.6b"]["need_basis"] == "footprint" and rows["qwen3:0.6b-q8_0"]["installed"] is False
+
+
+def test_pull_force_of_a_file_the_hub_replaced_drops_the_old_blob(tmp_path, hub, home, monkeypatch):
+    from kiln.synth import write_random_gguf
+
+    old, filename = _serve_as_catalog_tag(tmp_path, hub, monkeypatch, "qwen3:0.6b")
+    assert Store().pull("qwen3:0.6b", progress=False).sha256 == hashlib.sha256(old).hexdigest()
+    new = write_random_gguf(tmp_path / "new.gguf", "tiny-qwen3", seed=1).read_bytes()
+    hub.add("unsloth/Qwen3-0.6B-GGUF", filename, new)  # re-uploaded upstream
+
+    record = Store().pull("qwen3:0.6b", progress=False, force=True)
+
+    assert record.sha256 == hashlib.sha256(new).hexdigest() and record.size == len(new)
+    assert store_files(home, "blobs") == [f"sha256-{record.sha256}"]
+
+
+@pytest.mark.parametrize("reported,says", [
+    (hashlib.sha256(b"other bytes").hexdigest(), "sha256 mismatch"),
+    ("0123456789abcdef0123456789abcdef01234567", "the hub reports no sha256"),  # a git (non-LFS) file's etag
+])
+def test_pull_the_hub_cannot_vouch_for_installs_nothing(reported, says, tmp_path, hub, kiln, home, monkeypatch):
+    content, filename = _serve_as_catalog_tag(tmp_path, hub, monkeypatch, "qwen3:0.6b", etag=reported)
+
+    rc, out, err = kiln("pull", "qwen3:0.6b")
+
+    failure = err.splitlines()[-1]
+    assert rc == 1 and out == "" and failure.startswith("kiln: error: could not pull qwen3:0.6b: ")
+    assert says in failure and filename in failure and reported in failure
+    if says == "sha256 mismatch":  # both digests: what the hub reports and what came
+        assert hashlib.sha256(content).hexdigest() in failure
+    assert store_files(home, "blobs") == [] and store_files(home, "manifests") == []
+    assert store_files(home, "tmp") == []
+    hf_home = tmp_path / "hf-home"
+    assert all(p.stat().st_size < len(content) for p in hf_home.rglob("*") if p.is_file())
 
 
 def test_failed_source_is_reported_and_the_next_is_tried(tmp_path, hub, catalog, monkeypatch, local_pip, capsys):

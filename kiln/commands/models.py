@@ -72,20 +72,57 @@ def cmd_pull(args) -> int:
 
 
 def list_rows(store, which: str = "all") -> list[dict]:
-    """One dict per model: installed ones (with `problem` when damaged), then catalog models not installed."""
+    """One dict per model: installed ones (with `problem` when damaged), then catalog models not installed.
+    A catalog model's size and sha256 are None until measured (the hub reports them at pull time)."""
+    from kiln.machine import mem_available_bytes
+
+    available = mem_available_bytes()
     rows = []
     installed = store.installed()
     installed_tags = {r.tag for r in installed}
     if which in ("all", "installed"):
         for r in installed:
             row = {"tag": r.tag, "installed": True, "size": r.size, "sha256": r.sha256, "source": r.source}
-            rows.append({**row, **r.details, "pulled_at": r.pulled_at, "problem": r.problem})
+            row = {**row, **r.details, "pulled_at": r.pulled_at, "problem": r.problem}
+            rows.append({**row, **_catalog_fields(store, r.catalog), **_fit(_installed_need(r), available)})
     if which in ("all", "available"):
+        from kiln.validate import catalog_need
+
         for e in store.available():
             if e.tag not in installed_tags:
                 row = {"tag": e.tag, "installed": False, "size": e.size, "sha256": e.sha256, "source": None}
-                rows.append({**row, **e.details(), "pulled_at": None, "problem": None})
+                row = {**row, **e.details(), "pulled_at": None, "problem": None}
+                rows.append({**row, **_catalog_fields(store, e), **_fit(catalog_need(e), available)})
     return rows
+
+
+def _catalog_fields(store, entry) -> dict:
+    return {"aliases": store.aliases_of(entry.tag) if entry else [], "from": entry.origin if entry else None}
+
+
+def _installed_need(record) -> tuple[int | None, str]:
+    """kiln's footprint of the file (packed weights, KV cache at the default context, working buffers), or the
+    catalog's estimate from the installed size when the file's footprint cannot be computed."""
+    import dataclasses
+
+    from kiln.errors import KilnError
+    from kiln.validate import catalog_need, footprint
+
+    if record.problem:
+        return None, "damaged"
+    try:
+        return footprint(record.tag, None)["total_bytes"], "footprint"
+    except (KilnError, ImportError) as e:
+        if record.catalog:
+            return catalog_need(dataclasses.replace(record.catalog, size=record.size))
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _fit(need: tuple[int | None, str], available: int | None) -> dict:
+    """Whether `need` bytes fit in this machine's MemAvailable (None: either is unknown)."""
+    need_bytes, basis = need
+    fits = None if need_bytes is None or available is None else need_bytes <= available
+    return {"need_bytes": need_bytes, "need_basis": basis, "fits": fits}
 
 
 def cmd_list(args) -> int:
@@ -105,14 +142,18 @@ def cmd_list(args) -> int:
     table = Table(box=None, pad_edge=False)
     table.add_column("")
     table.add_column("TAG", no_wrap=True, min_width=max(len(row["tag"]) for row in rows))
-    for column in ("SIZE", "FAMILY", "PARAMS", "QUANT", "CONTEXT", "LABELS", "STATUS"):
+    for column in ("SIZE", "FITS", "FAMILY", "PARAMS", "QUANT", "CONTEXT", "LABELS", "STATUS"):
         table.add_column(column, justify="right" if column in ("SIZE", "CONTEXT") else "left")
     for row in rows:
         mark = "[red]![/]" if row["problem"] else "[green]✓[/]" if row["installed"] else ""
         status = row["problem"] or ("installed" if row["installed"] else "available")
         details = [row.get(key, "?") for key in ("family", "parameters", "quantization", "context_length")]
         labels = ", ".join(row.get("labels", []))
-        table.add_row(mark, row["tag"], human_bytes(row["size"]), *map(str, details), labels, Text(status))
+        size = "?" if row["size"] is None else human_bytes(row["size"])
+        fits = {True: "yes", False: "no", None: "?"}[row["fits"]]
+        # `name` alone is name:latest, Ollama's way
+        tag = " = ".join([row["tag"], *(a.removesuffix(":latest") for a in row["aliases"] if a.endswith(":latest"))])
+        table.add_row(mark, tag, size, fits, *map(str, details), labels, Text(status))
     Console().print(table)
     return 0
 

@@ -592,10 +592,10 @@ async def _pull_lines(runtime: Runtime, tag: str):
             while not task.done():
                 await asyncio.wait({task}, timeout=0.5)
                 completed = watch.completed
-                if completed and entry is not None:
+                if completed and entry is not None and entry.sha256 and entry.size:
                     yield {"status": f"pulling {entry.sha256[:12]}", "digest": f"sha256:{entry.sha256}",
                            "total": entry.size, "completed": min(completed, entry.size)}
-                elif completed:  # an alias such as name:latest: the size is known only once it resolves
+                elif completed:  # an alias such as name:latest, or an entry whose digest only the hub knows
                     yield {"status": f"pulling {tag}", "completed": completed}
             record = task.result()
     except (KilnError, OSError) as e:

