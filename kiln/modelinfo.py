@@ -8,20 +8,27 @@ from collections import Counter
 
 def describe(record) -> dict:
     """Everything `kiln show` reports, read from the GGUF file."""
-    from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
+    from kiln.errors import UnsupportedModelError
+    from kiln.gguf import REQUANTIZED_TYPES, GGUFFile, as_int
+    from kiln.models import family_for
     from kiln.store import quantization_name
     from kiln.store.fetch import sha256_file
 
     gguf = GGUFFile(record.path)
     try:
+        try:
+            family_for(gguf)  # a file kiln runs is shown only once it passes the checks a load makes
+        except UnsupportedModelError:
+            pass  # an architecture kiln does not run: what is shown is read defensively below
         arch = gguf.architecture
         meta = lambda key, default=None: gguf.get(f"{arch}.{key}", default)  # noqa: E731
-        layers = int(meta("block_count", 0))
-        heads = _per_layer(meta("attention.head_count"), layers)
-        kv_heads = _per_layer(meta("attention.head_count_kv"), layers) or heads
-        embedding = meta("embedding_length")
-        head_dim = meta("attention.key_length") or (embedding // max(heads) if embedding and heads else None)
-        context = int(meta("context_length", 0))
+        layers = as_int(meta("block_count"))
+        heads = _heads(meta("attention.head_count"))
+        kv_heads = _heads(meta("attention.head_count_kv")) or heads
+        embedding = as_int(meta("embedding_length")) or None
+        widest = max(heads) if isinstance(heads, list) and heads else heads
+        head_dim = as_int(meta("attention.key_length")) or (embedding // widest if embedding and widest else None)
+        context = as_int(meta("context_length"))
         memory = _footprint(record)
         n_params = sum(t.n_elements for t in gguf.tensors.values())
         template = gguf.get("tokenizer.chat_template")
@@ -39,8 +46,8 @@ def describe(record) -> dict:
             "context_length": context,
             "embedding_length": embedding,
             "layers": layers,
-            "heads": _uniform(heads),
-            "kv_heads": _uniform(kv_heads),
+            "heads": heads,
+            "kv_heads": kv_heads,
             "head_dim": head_dim,
             **memory,
             "labels": record.details.get("labels", []),
@@ -69,16 +76,16 @@ def _footprint(record) -> dict:
             "working_bytes": fp["working_bytes_estimate"], "footprint_bytes": fp["total_bytes"]}
 
 
-def _per_layer(value, layers: int) -> list[int]:
-    """Head counts are a number, or (in some architectures) one number per layer."""
+def _heads(value):
+    """A head count: a number, or (in some architectures) one number per layer, shown as one number when
+    every layer has the same; None when the file has none."""
+    from kiln.gguf import as_int
+
     if value is None:
-        return []
-    if hasattr(value, "__len__"):
-        return [int(v) for v in value]
-    return [int(value)] * max(layers, 1)
-
-
-def _uniform(values: list[int]):
+        return None
+    if not hasattr(value, "__len__") or isinstance(value, str):
+        return as_int(value) or None
+    values = [as_int(v) for v in value]
     return values[0] if values and len(set(values)) == 1 else values or None
 
 

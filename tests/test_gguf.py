@@ -4,6 +4,7 @@ error naming the problem."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -132,3 +133,16 @@ def test_cli_reports_one_line_and_list_still_works(damage, model, tmp_path, monk
     listing = subprocess.run([sys.executable, "-m", "kiln", "list"], capture_output=True, text=True)
     assert listing.returncode == 0, listing.stderr
     assert "smollm2:135m" in listing.stdout
+
+
+def test_show_checks_a_file_as_a_load_does(model, tmp_path, monkeypatch):
+    # a width the tensors disagree with: what `kiln show` reads must have passed the load's checks first
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    data = model.read_bytes()
+    at = data.index(b"qwen3.embedding_length") + len(b"qwen3.embedding_length")
+    assert struct.unpack_from("<I", data, at)[0] == 4  # GGUF's UINT32
+    model.write_bytes(data[:at + 4] + struct.pack("<I", 4096) + data[at + 8:])
+    show = subprocess.run([sys.executable, "-m", "kiln", "show", str(model)], capture_output=True, text=True)
+    assert show.returncode == 1
+    lines = show.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error:") and "wrong shape" in lines[0], show.stderr
