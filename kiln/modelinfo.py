@@ -8,6 +8,7 @@ from collections import Counter
 
 def describe(record) -> dict:
     """Everything `kiln show` reports, read from the GGUF file."""
+    from kiln.engine.fim import file_tokens
     from kiln.gguf import REQUANTIZED_TYPES, GGUFFile
     from kiln.store import quantization_name
     from kiln.store.fetch import sha256_file
@@ -45,6 +46,7 @@ def describe(record) -> dict:
             **memory,
             "labels": record.details.get("labels", []),
             "chat_template": template,
+            "insert": file_tokens(gguf) is not None,  # it has fill-in-the-middle tokens
             "system": record.system,
             "defaults": record.effective_parameters(),
             "license": record.license,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kiln import tools as toolcalls
+from kiln.engine import fim
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import SpecOptions, speculation
 from kiln.errors import ContextLengthError, Field, RequestError
@@ -47,6 +48,7 @@ class GenerationRequest:
     speculative: dict = field(default_factory=dict)  # SpecOptions overrides: mode, max, ngram
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit before sampling
     embed: bool = False  # the prompt's final hidden state is wanted, not tokens
+    infill: fim.Infill | None = None  # fill in the middle between a prefix and a suffix; `prompt` unused
 
 
 def sampling_params(model: Model, overrides: dict) -> SamplingParams:
@@ -92,6 +94,8 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         stop, stop_ids = [], frozenset()
     else:
         stop, stop_ids = [s for s in request.stop if s] or list(model.stop), tok.stop_ids
+        if request.infill is not None:
+            stop_ids |= fill_tokens(model).ends
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
                    logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
                    speculation=speculation(options, drafter, SPECULATIVE[0]))
@@ -124,9 +128,20 @@ def _chat_text(model: Model, request: GenerationRequest, use_tools: bool) -> str
     return tok.apply_chat_template(messages, tools=template_tools)
 
 
+def fill_tokens(model: Model) -> fim.FimTokens:
+    """The model's fill-in-the-middle tokens; a model without them cannot take a `suffix`."""
+    tokens = fim.model_tokens(model)
+    if tokens is None:
+        raise RequestError((Field("suffix"), f": {model.tag} has no fill-in-the-middle tokens (prefix, suffix and "
+                            "middle) in its vocabulary, so it cannot fill in the middle"), "suffix")
+    return tokens
+
+
 def _prompt_ids(model: Model, request: GenerationRequest, use_tools: bool) -> list[int]:
     tok = model.tokenizer
-    if request.messages is not None:
+    if request.infill is not None:
+        ids = fim.prompt_ids(model, fill_tokens(model), request.infill)
+    elif request.messages is not None:
         ids = tok.encode(_chat_text(model, request, use_tools))
     elif isinstance(request.prompt, list):
         ids = token_ids(request.prompt, tok.vocab_size, "prompt")

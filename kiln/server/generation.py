@@ -23,7 +23,7 @@ class Job:
     """A generation request on the server: what to generate (in kiln's terms), with which model, and for
     whom; openai.py, responses.py and ollama.py translate into this."""
 
-    api: str  # "openai", "ollama" or "anthropic", for metrics
+    api: str  # "openai", "ollama", "anthropic" or "llamacpp", for metrics
     model: str
     request: GenerationRequest
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever

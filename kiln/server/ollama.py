@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
+from kiln.engine.fim import Infill
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, fields_named
@@ -129,7 +130,8 @@ class GenerateRequest(_Generation):
     system: str | None = None
     raw: bool = Field(False, description="send the prompt as is, without the chat template")
     context: list[int] | None = Field(None, description="the `context` of an earlier response, to continue it")
-    suffix: str | None = Field(None, description="not supported")
+    suffix: str | None = Field(None, description="text after the cursor: fill in the middle between the prompt and this "
+                                                 "(models with fill-in-the-middle tokens)")
     template: str | None = Field(None, description="not supported: the model's own chat template is used")
     images: list[str] | None = Field(None, description="not supported: kiln runs text models")
 
@@ -215,14 +217,17 @@ async def chat(body: ChatRequest, request: Request):
 
 @router.post("/generate", responses=_ERRORS, summary="Complete a prompt (NDJSON stream unless stream is false)")
 async def generate(body: GenerateRequest, request: Request):
-    for name in ("images", "template", "suffix"):
+    for name in ("images", "template"):
         if getattr(body, name):
             raise RequestError(f"{name} is not supported by kiln's /api/generate", name)
+    if body.suffix and body.context:
+        raise RequestError("suffix: a fill-in-the-middle request cannot continue a context", "suffix")
     fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
-    if not body.prompt and not body.context:
+    if not body.prompt and not body.context and not body.suffix:
         return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""})
+    infill = Infill(body.prompt, body.suffix) if body.suffix else None
     job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
-                                                      context=body.context), keep_alive)
+                                                      context=body.context, infill=infill), keep_alive)
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
@@ -361,7 +366,7 @@ async def show(body: ModelRequest, request: Request):
                   f"{arch}.attention.head_count": info["heads"], f"{arch}.attention.head_count_kv": info["kv_heads"],
                   f"{arch}.attention.key_length": info["head_dim"]}
     shown = {"modelfile": modelfile_of(record), "parameters": parameters, "template": template,
-             "details": _details(record), "model_info": model_info, "capabilities": CAPABILITIES,
+             "details": _details(record), "model_info": model_info, "capabilities": CAPABILITIES + (["insert"] if info["insert"] else []),
              "license": record.license or "", "modified_at": _modified(record)}
     return {**shown, "system": record.system} if record.system is not None else shown
 
@@ -422,7 +427,7 @@ async def version():
 
 # What every model can do here: complete; call tools (a template that does not render them gets them as a
 # system message, and a forced call is held to a grammar); embed (/api/embed takes any model's last
-# hidden state). kiln has no thinking switch and no fill-in-the-middle, so it claims neither.
+# hidden state). Models with fill-in-the-middle tokens also insert. kiln has no thinking switch.
 CAPABILITIES = ["completion", "tools", "embedding"]
 
 
