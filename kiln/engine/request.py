@@ -76,8 +76,7 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         try:
             budget = plan_budget(len(ids), request.max_tokens, model.n_ctx)
         except ContextLengthError as e:
-            raise ContextLengthError((Field(prompt_field), ": ", *e.parts),
-                                     "max_tokens" if len(ids) < model.n_ctx else prompt_field) from None
+            raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
     params = sampling_params(model, request.sampling)
     constraint = None
     if use_tools and request.tool_choice != "auto":

@@ -16,16 +16,18 @@ from kiln.errors import ContextLengthError, KilnError, RequestError
 from kiln.server.runtime import DEFAULT, Runtime
 
 
-async def embed_inputs(runtime: Runtime, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input") -> Embeddings:
+async def embed_inputs(runtime: Runtime, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input",
+                       truncate: bool = False) -> Embeddings:
     """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
     the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
-    time as there are KV slots, so a long list never fills the request queue."""
+    time as there are KV slots, so a long list never fills the request queue. `truncate`: an input
+    longer than the context is cut to it (Ollama's /api/embed) instead of being an error."""
     t0 = time.perf_counter()
     loaded = await runtime.acquire(model)
     loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
     try:
         load_ms = (time.perf_counter() - t0) * 1e3
-        ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param)
+        ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param, truncate)
         window = loaded.scheduler.n_slots
         for first in range(0, len(ids), window):
             requests, futures = [], []
@@ -85,8 +87,9 @@ def unit_vectors(vectors: list[np.ndarray], dimensions: int | None, param: str =
     return out
 
 
-def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
-    """Token ids of each input (text, or ids already), checked: none empty, none longer than the context."""
+def embedding_ids(model, inputs: list, param: str, truncate: bool = False) -> list[list[int]]:
+    """Token ids of each input (text, or ids already), checked: none empty, none longer than the context
+    (or, with `truncate`, each cut to its first n_ctx tokens)."""
     tok, n_ctx = model.tokenizer, model.n_ctx
     out = []
     for i, item in enumerate(inputs):
@@ -94,8 +97,10 @@ def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
         ids = token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item)
         if not ids:
             raise RequestError(f"{where} is empty", where)
-        if len(ids) > n_ctx:
+        if len(ids) > n_ctx and truncate:
+            ids = ids[:n_ctx]
+        elif len(ids) > n_ctx:
             raise ContextLengthError(f"{where} is {len(ids)} tokens but the context holds {n_ctx}; "
-                                     "kiln does not truncate inputs", where)
+                                     "kiln does not truncate inputs unless asked (truncate)", where)
         out.append(ids)
     return out

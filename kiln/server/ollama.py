@@ -42,7 +42,7 @@ _HARDWARE_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread"
                      "use_mlock", "num_keep", "f16_kv", "vocab_only", "logits_all", "embedding_only"}
 _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
 # kiln's request fields, as Ollama names them
-FIELDS = {"max_tokens": "options.num_predict", "speculative.mode": "options.draft",
+FIELDS = {"max_tokens": "options.num_predict", "num_ctx": "options.num_ctx", "speculative.mode": "options.draft",
           "speculative.max": "options.draft_max", "speculative.ngram": "options.draft_ngram"}
 
 
@@ -65,7 +65,8 @@ class Options(BaseModel):
     seed: int | None = Field(None, description="negative: random")
     num_predict: int | None = Field(None, description="most tokens to generate; negative: until the context is full")
     stop: list[str] | str | None = None
-    num_ctx: int | None = Field(None, description="ignored: every request gets the server's --ctx-len")
+    num_ctx: int | None = Field(None, ge=1, description="the context length to run at: the model is reloaded at it "
+                                                       "when loaded at another (up to --ctx-len, else the model's own)")
     draft: Literal["none", "lookup", "model"] | None = Field(
         None, description="kiln: speculative decoding by prompt lookup or the server's --draft-model")
     draft_max: int | None = Field(None, ge=1, le=MAX_DRAFT, description="kiln: most draft tokens per pass")
@@ -99,6 +100,9 @@ class _Generation(_Model):
     think: bool | str | None = Field(None, description="not supported: no thinking models yet")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def num_ctx(self) -> int | None:
+        return self.options.num_ctx if self.options else None
 
     def request_fields(self) -> dict:
         """The kiln request fields both generating endpoints share."""
@@ -149,7 +153,8 @@ class ModelRequest(_Model):
 class EmbedRequest(_Model):
     model: str = Field(description="an installed model tag, e.g. smollm2:135m")
     input: str | list[str] = Field(description="a text, or a list of texts")
-    truncate: bool = Field(True, description="kiln never truncates: an input longer than the context is an error")
+    truncate: bool = Field(True, description="cut an input longer than the context to its first tokens (prompt_eval_count "
+                                             "counts those); false: such an input is an error")
     options: Options | None = Field(None, description="not used for embeddings")
     keep_alive: float | str | None = None
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalized again)")
@@ -197,10 +202,11 @@ async def chat(body: ChatRequest, request: Request):
     fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.messages:
         return await _load_or_unload(_runtime(request), body.model, keep_alive,
-                                     {"message": {"role": "assistant", "content": ""}})
+                                     {"message": {"role": "assistant", "content": ""}}, body.num_ctx())
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     job = Job("ollama", body.model, GenerationRequest(
-        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive)
+        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive,
+        body.num_ctx())
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
@@ -224,10 +230,10 @@ async def generate(body: GenerateRequest, request: Request):
         raise RequestError("suffix: a fill-in-the-middle request cannot continue a context", "suffix")
     fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.prompt and not body.context and not body.suffix:
-        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""})
+        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""}, body.num_ctx())
     infill = Infill(body.prompt, body.suffix) if body.suffix else None
     job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
-                                                      context=body.context, infill=infill), keep_alive)
+                                                      context=body.context, infill=infill), keep_alive, body.num_ctx())
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
@@ -245,7 +251,7 @@ async def embed(body: EmbedRequest, request: Request):
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input")
+    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", body.truncate)
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -498,13 +504,14 @@ def _listing(record) -> dict:
             "digest": record.sha256 or "", "details": _details(record)}
 
 
-async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict) -> dict:
-    """Ollama's empty request: load the model, or with keep_alive 0 unload it."""
+async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict, n_ctx: int | None) -> dict:
+    """Ollama's empty request: load the model (at the context `n_ctx`, when given), or with keep_alive 0 unload it."""
     if keep_alive == 0:
         record = await runtime.resolve(model)
         await runtime.unload(record.tag)
         return {**_head(record.tag), **body, "done": True, "done_reason": "unload"}
-    loaded = await runtime.preload(model, keep_alive)
+    with fields_named(FIELDS):
+        loaded = await runtime.preload(model, keep_alive, n_ctx=n_ctx)
     return {**_head(loaded.tag), **body, "done": True, "done_reason": "load"}
 
 
