@@ -99,6 +99,8 @@ def test_embed_truncates_unless_told_not_to(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=MODEL, input=["hi", text], truncate=False)
     assert e.value.status_code == 400 and "input[1]" in e.value.error and "truncate" in e.value.error
+    r = client.embed(model=MODEL, input=text, options={"num_ctx": 40})  # the context an embedding runs at
+    assert r.prompt_eval_count == 40 and _context(server) == 40
 
 
 def test_environment_variables_set_the_serve_flags(home, monkeypatch):

@@ -17,13 +17,14 @@ from kiln.server.runtime import DEFAULT, Runtime
 
 
 async def embed_inputs(runtime: Runtime, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input",
-                       truncate: bool = False) -> Embeddings:
+                       truncate: bool = False, n_ctx: int | None = None) -> Embeddings:
     """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
     the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
     time as there are KV slots, so a long list never fills the request queue. `truncate`: an input
-    longer than the context is cut to it (Ollama's /api/embed) instead of being an error."""
+    longer than the context is cut to it (Ollama's /api/embed) instead of being an error. `n_ctx`: the
+    context to run at, as a generation's (the model is reloaded at it)."""
     t0 = time.perf_counter()
-    loaded = await runtime.acquire(model)
+    loaded = await runtime.acquire(model, n_ctx=n_ctx)
     loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
     try:
         load_ms = (time.perf_counter() - t0) * 1e3

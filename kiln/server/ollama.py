@@ -155,7 +155,7 @@ class EmbedRequest(_Model):
     input: str | list[str] = Field(description="a text, or a list of texts")
     truncate: bool = Field(True, description="cut an input longer than the context to its first tokens (prompt_eval_count "
                                              "counts those); false: such an input is an error")
-    options: Options | None = Field(None, description="not used for embeddings")
+    options: Options | None = Field(None, description="only num_ctx is used for embeddings")
     keep_alive: float | str | None = None
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalized again)")
 
@@ -251,7 +251,9 @@ async def embed(body: EmbedRequest, request: Request):
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", body.truncate)
+    with fields_named(FIELDS):
+        result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", body.truncate,
+                                    body.options.num_ctx if body.options else None)
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
