@@ -108,6 +108,10 @@ def test_models_without_fim_tokens(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model=PLAIN, prompt=PREFIX, suffix=SUFFIX)
     assert e.value.status_code == 400 and "suffix" in e.value.error and PLAIN in e.value.error
+    with pytest.raises(openai.BadRequestError) as e:
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").completions.create(model=PLAIN, prompt=PREFIX,
+                                                                                   suffix=SUFFIX, max_tokens=2)
+    assert e.value.param == "suffix" and PLAIN in e.value.message
     r = httpx.post(f"{server.url}/infill", json={"model": PLAIN, "input_prefix": PREFIX, "input_suffix": SUFFIX})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_suffix" and PLAIN in r.json()["error"]["message"]
     assert "insert" in client.show(FIM).capabilities and "insert" in client.show(OLD).capabilities

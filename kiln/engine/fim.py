@@ -17,12 +17,13 @@ if TYPE_CHECKING:
     from kiln.engine.model import Model
     from kiln.gguf import GGUFFile
 
-# The texts llama.cpp recognises each FIM token by (Qwen2.5-Coder, StarCoder, DeepSeek-Coder, CodeLlama...).
+# The texts llama.cpp recognises each FIM token by (Qwen2.5-Coder, StarCoder and Granite, DeepSeek-Coder,
+# CodeLlama, GLM-4.5).
 NAMES = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>"),
-    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>"),
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>", "<|file_separator|>", "<file_sep>", "<filename>"),
 }

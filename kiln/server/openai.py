@@ -185,7 +185,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = Field(None, description="text after the cursor: fill in the middle between the prompt and this "
-                                                 "(models with fill-in-the-middle tokens)")
+                                                 "(models with fill-in-the-middle tokens); empty: none")
 
 
 # --- endpoints -----------------------------------------------------------------------------------------
@@ -226,11 +226,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/completions", responses=_ERRORS, summary="Text completion (SSE when stream is true)")
 async def completions(body: CompletionRequest, request: Request):
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-    if body.suffix is not None and not isinstance(prompt, str):
+    if body.suffix and not isinstance(prompt, str):
         raise RequestError("suffix: a fill-in-the-middle prompt is text, not token ids", "suffix")
     job = Job("openai", body.model, GenerationRequest(**body.request_fields(), prompt=prompt, raw=True,
                                                       max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                                      infill=Infill(prompt, body.suffix) if body.suffix is not None else None))
+                                                      infill=Infill(prompt, body.suffix) if body.suffix else None))
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,
