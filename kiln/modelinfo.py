@@ -11,6 +11,7 @@ def describe(record) -> dict:
     from kiln.errors import UnsupportedModelError
     from kiln.gguf import REQUANTIZED_TYPES, GGUFFile, as_int
     from kiln.models import family_for
+    from kiln.engine.fim import file_tokens
     from kiln.store import quantization_name
     from kiln.store.fetch import sha256_file
 
@@ -52,6 +53,7 @@ def describe(record) -> dict:
             **memory,
             "labels": record.details.get("labels", []),
             "chat_template": template,
+            "insert": file_tokens(gguf) is not None,  # it has fill-in-the-middle tokens
             "system": record.system,
             "defaults": record.effective_parameters(),
             "license": record.license,

@@ -98,11 +98,18 @@ def _tensor(rng, shape, scale):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+# Qwen2.5-Coder's fill-in-the-middle tokens, and the metadata keys naming them
+FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>", "pad": "<|fim_pad|>",
+              "rep": "<|repo_name|>", "sep": "<|file_sep|>"}
+
+
 def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, embed_qtype: QT | None = None,
-                      seed: int = 0, tokenizer_from: str | Path | None = None, **overrides) -> Path:
+                      seed: int = 0, tokenizer_from: str | Path | None = None, fim: str | None = None,
+                      **overrides) -> Path:
     """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`.
     `tokenizer_from`: copy that GGUF's tokenizer (and so its vocabulary size), e.g. to make a draft model
-    for it."""
+    for it. `fim` (byte-level vocabularies): give it fill-in-the-middle tokens, named by the
+    tokenizer.ggml.fim_*_token_id keys ("metadata") or only present by text ("vocabulary", as older files)."""
     if isinstance(shape, str):
         shape = SHAPES[shape]
     tokenizer = _tokenizer_fields(tokenizer_from) if tokenizer_from is not None else None
@@ -143,7 +150,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_add_space_prefix(False)
         w.add_chat_template(GEMMA_TEMPLATE)
     else:
-        tokens, merges, types = bpe_vocab(shape.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], rng)
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
+        tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
+        if fim == "metadata":
+            for role, text in FIM_TOKENS.items():
+                w.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", tokens.index(text))
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2" if a.startswith("qwen") else "llama-bpe")
         w.add_token_list(tokens)

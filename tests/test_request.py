@@ -37,16 +37,15 @@ def test_a_request_becomes_a_sequence_with_the_model_defaults_under_its_own(mode
 
 
 def test_errors_name_kiln_fields_and_each_api_its_own(model):
-    too_long = GenerationRequest(prompt=[1] * 10, max_tokens=30)
     with pytest.raises(ContextLengthError) as e:
-        prepare(model, too_long)
-    assert e.value.param == "max_tokens"
-    assert str(e.value) == "prompt: prompt (10 tokens) + max_tokens (30) = 40 exceeds the context of 32 tokens"
-    with pytest.raises(ContextLengthError) as e, fields_named(ollama.FIELDS):
-        prepare(model, too_long)
-    assert e.value.param == "options.num_predict"
-    assert str(e.value) == ("prompt: prompt (10 tokens) + options.num_predict (30) = 40 exceeds the context of "
-                            "32 tokens")
+        prepare(model, GenerationRequest(prompt=[1] * 40, max_tokens=3))
+    assert e.value.param == "prompt"
+    assert str(e.value) == ("prompt: the prompt is 40 tokens but the context holds 32 (at least one must be left "
+                            "to generate)")
+    assert prepare(model, GenerationRequest(prompt=[1] * 10, max_tokens=30))[0].max_tokens == 22  # the room left
+    with pytest.raises(RequestError) as e, fields_named(ollama.FIELDS):
+        prepare(model, GenerationRequest(prompt=[1], max_tokens=-2))
+    assert (e.value.param, str(e.value)) == ("options.num_predict", "options.num_predict must be >= 0, got -2")
     with pytest.raises(RequestError) as e, fields_named(responses.FIELDS):
         prepare(model, GenerationRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=-1))
     assert (e.value.param, str(e.value)) == ("max_output_tokens", "max_output_tokens must be >= 0, got -1")

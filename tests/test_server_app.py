@@ -64,7 +64,7 @@ def test_errors_take_the_shape_of_each_api(make_client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "robot", "content": "x"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "suffix": "y"})
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "suffix": "y"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
         r = client.post("/api/generate", json={"model": "m", "prompt": "x", "keep_alive": "soon"})
         assert r.status_code == 400 and "keep_alive" in r.json()["error"]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2:135m"
 GENERATION = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/api/chat", "/api/generate", "/api/show",
               "/v1/embeddings", "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
-              "/tokenize", "/detokenize", "/apply-template"}
+              "/tokenize", "/detokenize", "/apply-template", "/infill"}
 EXAMPLES = 15  # per operation and mode: about two minutes in all on two cores
 
 
@@ -27,11 +27,12 @@ def aim_at_the_model(case) -> None:
         return
     body["model"] = MODEL
     body.pop("keep_alive", None)  # 0 would unload the model for the next case
-    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict"):
         if isinstance(body.get(key), int) and body[key] > 8:
             body[key] = 8
     if isinstance(body.get("options"), dict):
         body["options"]["num_predict"] = 8
+        body["options"].pop("num_ctx", None)  # each new one would reload the model
 
 
 def test_no_server_errors(smollm2_path):

@@ -34,9 +34,13 @@ def register(sub) -> None:
                    help="largest JSON request body, in bytes or with K, M, G (env KILN_MAX_BODY_BYTES; default 8M)")
     p.add_argument("--max-upload-bytes", default=env("KILN_MAX_UPLOAD_BYTES", "256G"),
                    help="largest model upload to /api/blobs (env KILN_MAX_UPLOAD_BYTES; default 256G)")
-    p.add_argument("--parallel", "-np", type=int, default=4, help="KV slots: requests decoded together (default 4)")
-    p.add_argument("--ctx-len", "-c", type=int, help="context length of each slot (default min(model's, 4096))")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 503 (default 64)")
+    p.add_argument("--parallel", "-np", type=int, default=env("KILN_NUM_PARALLEL", "4"),
+                   help="KV slots: requests decoded together (env KILN_NUM_PARALLEL; default 4)")
+    p.add_argument("--ctx-len", "-c", type=int, default=env("KILN_CONTEXT_LENGTH"),
+                   help="context length of each slot, and the most a request's num_ctx may ask for "
+                        "(env KILN_CONTEXT_LENGTH; default: min(model's, 4096), and up to the model's own)")
+    p.add_argument("--max-queue", type=int, default=env("KILN_MAX_QUEUE", "64"),
+                   help="requests that may wait for a slot; more get 503 (env KILN_MAX_QUEUE; default 64)")
     p.add_argument("--keep-alive", default=env("KILN_KEEP_ALIVE", "5m"),
                    help="how long an idle model stays loaded: 5m, 1h, 0, -1 for forever (env KILN_KEEP_ALIVE; default 5m)")
     p.add_argument("--prefill-chunk", type=int, help="most prompt tokens computed per step (default: the engine's prefill batch)")

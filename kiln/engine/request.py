@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kiln import thinking
 from kiln import tools as toolcalls
+from kiln.engine import fim
 from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import SpecOptions, speculation
 from kiln.errors import ContextLengthError, Field, RequestError
@@ -50,6 +51,7 @@ class GenerationRequest:
     embed: bool = False  # the prompt's final hidden state is wanted, not tokens
     think: bool | str | None = None  # thinking on or off, or an effort (low/medium/high); None: the template's default
     template_variables: dict = field(default_factory=dict)  # more variables for the chat template
+    infill: fim.Infill | None = None  # fill in the middle between a prefix and a suffix; `prompt` unused
 
 
 def sampling_params(model: Model, overrides: dict) -> SamplingParams:
@@ -80,8 +82,7 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         try:
             budget = plan_budget(len(ids), request.max_tokens, model.n_ctx)
         except ContextLengthError as e:
-            raise ContextLengthError((Field(prompt_field), ": ", *e.parts),
-                                     "max_tokens" if len(ids) < model.n_ctx else prompt_field) from None
+            raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
     params = sampling_params(model, request.sampling)
     constraint = None
     if use_tools and request.tool_choice != "auto":
@@ -98,6 +99,8 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         stop, stop_ids = [], frozenset()
     else:
         stop, stop_ids = [s for s in request.stop if s] or list(model.stop), tok.stop_ids
+        if request.infill is not None:
+            stop_ids |= fill_tokens(model).ends
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
                    logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
                    speculation=speculation(options, drafter, SPECULATIVE[0]))
@@ -136,6 +139,15 @@ def _chat_text(model: Model, request: GenerationRequest,
     return _render(model, request, messages, template_tools)
 
 
+def fill_tokens(model: Model) -> fim.FimTokens:
+    """The model's fill-in-the-middle tokens; a model without them cannot take a `suffix`."""
+    tokens = fim.model_tokens(model)
+    if tokens is None:
+        raise RequestError((Field("suffix"), f": {model.tag} has no fill-in-the-middle tokens (prefix, suffix and "
+                            "middle) in its vocabulary, so it cannot fill in the middle"), "suffix")
+    return tokens
+
+
 # Variables kiln itself gives every chat template; a request's own variables may not replace them.
 _TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -169,11 +181,14 @@ def _prompt_ids(model: Model, request: GenerationRequest,
     """The prompt's token ids, and the parser of the reasoning the reply holds when the template thinks."""
     tok = model.tokenizer
     reasoning = None
-    chat_template = request.messages is not None or (not request.raw and isinstance(request.prompt, str))
+    chat_template = request.infill is None and (request.messages is not None or
+                                                (not request.raw and isinstance(request.prompt, str)))
     if not chat_template and (request.think is not None or request.template_variables):
         param = "think" if request.think is not None else "template_variables"
         raise RequestError((Field(param), " needs the chat template: the prompt is sent raw"), param)
-    if request.messages is not None:
+    if request.infill is not None:
+        ids = fim.prompt_ids(model, fill_tokens(model), request.infill)
+    elif request.messages is not None:
         text, reasoning = _chat_text(model, request, use_tools)
         # a prompt longer than the context is refused before its tokens are counted out
         ids = tok.encode(text, max_tokens=model.n_ctx)

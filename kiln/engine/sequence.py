@@ -69,20 +69,16 @@ class Timings:
 
 
 def plan_budget(prompt_len: int, max_tokens: int | None, n_ctx: int) -> int:
-    """How many tokens may be generated. A prompt that does not fit, or a request for more tokens than
-    the context has room for, is an error — kiln never truncates a prompt silently."""
+    """How many tokens may be generated: `max_tokens`, or as many as the context has room for when that is
+    fewer (the sequence then ends with finish_reason "length", as OpenAI's and llama-server's do). A prompt
+    that does not fit is an error — kiln never truncates a prompt silently."""
     if max_tokens is not None and max_tokens < 0:
         raise RequestError((Field("max_tokens"), f" must be >= 0, got {max_tokens}"), param="max_tokens")
     if prompt_len >= n_ctx:
         raise ContextLengthError(
             f"the prompt is {prompt_len} tokens but the context holds {n_ctx} (at least one must be left to generate)"
         )
-    if max_tokens is None:
-        return n_ctx - prompt_len
-    if prompt_len + max_tokens > n_ctx:
-        raise ContextLengthError((f"prompt ({prompt_len} tokens) + ", Field("max_tokens"), f" ({max_tokens}) = "
-                                  f"{prompt_len + max_tokens} exceeds the context of {n_ctx} tokens"), "max_tokens")
-    return max_tokens
+    return min(n_ctx - prompt_len, n_ctx if max_tokens is None else max_tokens)
 
 
 @dataclass

@@ -18,18 +18,20 @@ from kiln.server.runtime import DEFAULT, Runtime
 
 
 async def embed_inputs(runtime: Runtime, api: str, model: str, inputs: list, keep_alive=DEFAULT, param: str = "input",
-                       http_request=None) -> Embeddings:
+                       http_request=None, truncate: bool = False, n_ctx: int | None = None) -> Embeddings:
     """Each input's final hidden state, computed as prompts through the scheduler, so embeddings share
     the engine's steps with running generations (and its prompt cache). Inputs go in as many at a
     time as there are KV slots, so a long list never fills the request queue. When the client of
-    `http_request` disconnects, what is left is cancelled."""
+    `http_request` disconnects, what is left is cancelled. `truncate`: an input longer than the context
+    is cut to it (Ollama's /api/embed) instead of being an error. `n_ctx`: the context to run at, as a
+    generation's (the model is reloaded at it)."""
     t0 = time.perf_counter()
-    loaded = await runtime.acquire(model)
+    loaded = await runtime.acquire(model, n_ctx=n_ctx)
     loop, vectors, requests, futures = asyncio.get_running_loop(), [], [], []
     gone = asyncio.ensure_future(until_disconnect(http_request)) if http_request is not None else None
     try:
         load_ms = (time.perf_counter() - t0) * 1e3
-        ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param)
+        ids = await asyncio.to_thread(embedding_ids, loaded.model, inputs, param, truncate)
         window = loaded.scheduler.n_slots
         for first in range(0, len(ids), window):
             requests, futures = [], []
@@ -97,8 +99,9 @@ def unit_vectors(vectors: list[np.ndarray], dimensions: int | None, param: str =
     return out
 
 
-def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
-    """Token ids of each input (text, or ids already), checked: none empty, none longer than the context."""
+def embedding_ids(model, inputs: list, param: str, truncate: bool = False) -> list[list[int]]:
+    """Token ids of each input (text, or ids already), checked: none empty, none longer than the context
+    (or, with `truncate`, each cut to its first n_ctx tokens)."""
     tok, n_ctx = model.tokenizer, model.n_ctx
     out = []
     for i, item in enumerate(inputs):
@@ -109,8 +112,10 @@ def embedding_ids(model, inputs: list, param: str) -> list[list[int]]:
             raise ContextLengthError(f"{where}: {e}", where) from None
         if not ids:
             raise RequestError(f"{where} is empty", where)
-        if len(ids) > n_ctx:
+        if len(ids) > n_ctx and truncate:
+            ids = ids[:n_ctx]
+        elif len(ids) > n_ctx:
             raise ContextLengthError(f"{where} is {len(ids)} tokens but the context holds {n_ctx}; "
-                                     "kiln does not truncate inputs", where)
+                                     "kiln does not truncate inputs unless asked (truncate)", where)
         out.append(ids)
     return out

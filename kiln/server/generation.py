@@ -25,10 +25,11 @@ class Job:
     """A generation request on the server: what to generate (in kiln's terms), with which model, and for
     whom; openai.py, responses.py and ollama.py translate into this."""
 
-    api: str  # "openai", "ollama" or "anthropic", for metrics
+    api: str  # "openai", "ollama", "anthropic" or "llamacpp", for metrics
     model: str
     request: GenerationRequest
     keep_alive: float | None | str = DEFAULT  # seconds; None: forever
+    n_ctx: int | None = None  # the context length to run at (the model is reloaded at it); None: as loaded
 
 
 @dataclass
@@ -70,7 +71,7 @@ async def start(runtime: Runtime, job: Job) -> Generation:
     """Load the model `job` names (or swap it in), prepare its sequence and queue it: anything wrong with
     the request raises here, before a response starts."""
     t0 = time.perf_counter()
-    loaded = await runtime.acquire(job.model)
+    loaded = await runtime.acquire(job.model, n_ctx=job.n_ctx)
     try:
         load_ms = (time.perf_counter() - t0) * 1e3
         seq, parser = await asyncio.to_thread(prepare, loaded.model, job.request, loaded.drafter,

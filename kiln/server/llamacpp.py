@@ -1,5 +1,5 @@
 """llama-server's introspection endpoints, which its clients probe: /tokenize, /detokenize,
-/apply-template, /props and /slots.
+/apply-template, /props and /slots; and /infill, the fill-in-the-middle endpoint editors call.
 
 llama-server serves one model; kiln serves whichever is named. Each request may name it (`model` in the
 body, `?model=` on a GET); unnamed, it is the loaded model. /props and /slots never load a model: with
@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
+from kiln.engine.fim import Infill
 from kiln.engine.request import GenerationRequest, chat_prompt, sampling_params, token_ids
-from kiln.errors import RequestError
-from kiln.server.generation import borrowed
-from kiln.server.openai import ChatMessage, Tool, chat_message
+from kiln.errors import KilnError, RequestError, fields_named
+from kiln.server.generation import Final, Job, borrowed, start
+from kiln.server.openai import ChatMessage, Tool, _Sampling, chat_message, timings
 from kiln.server.runtime import Runtime
 from kiln.tools import template_supports_tools
 
@@ -47,6 +50,63 @@ class DetokenizeRequest(_Named):
 class ApplyTemplateRequest(_Named):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
+
+
+class ExtraFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = "tmp"
+    text: str = ""
+
+
+class InfillRequest(_Sampling):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="kiln extension: the model to use; default the loaded one")
+    input_prefix: str = Field("", description="the text before the cursor")
+    input_suffix: str = Field("", description="the text after the cursor")
+    input_extra: list[ExtraFile] = Field(default_factory=list, description="other files of the project the model may read")
+    prompt: str = Field("", description="more text right before the cursor, after input_prefix")
+    n_predict: int = Field(-1, ge=-1, description="most tokens to generate; -1: until the model ends the middle")
+
+
+# kiln's request fields that /infill names otherwise
+INFILL_FIELDS = {"suffix": "input_suffix", "max_tokens": "n_predict", "prompt": "input_prefix"}
+_STOP_TYPES = {"length": "limit", "stop": "eos"}
+
+
+@router.post("/infill", responses=_ERRORS, summary="Fill in the middle between a prefix and a suffix (llama-server)")
+async def infill(body: InfillRequest, request: Request):
+    runtime = _runtime(request)
+    fill = Infill(body.input_prefix, body.input_suffix, [f.model_dump() for f in body.input_extra], body.prompt)
+    job = Job("llamacpp", _model(request, body.model), GenerationRequest(
+        **body.request_fields(), infill=fill, max_tokens=None if body.n_predict < 0 else body.n_predict))
+    with fields_named(INFILL_FIELDS):
+        generation = await start(runtime, job)
+    tag = generation.loaded.tag
+    if body.stream:
+        async def lines():
+            async for event in generation.events(request):
+                if isinstance(event, Final):
+                    yield f"data: {json.dumps(_infill_final(event, ''))}\n\n"
+                elif event.text:
+                    yield f"data: {json.dumps({'content': event.text, 'stop': False, 'model': tag})}\n\n"
+
+        return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    _, final = await generation.collect(request)
+    if final.error:
+        raise KilnError(final.error)
+    return _infill_final(final, final.text)
+
+
+def _infill_final(final: Final, content: str) -> dict:
+    """llama-server's last record of a completion: the text (all of it, or empty after a stream) and why it stopped."""
+    t, stop_string = final.timings, final.seq.stop_string
+    out = {"content": content, "stop": True, "model": final.model, "tokens_predicted": t.completion_tokens,
+           "tokens_evaluated": t.prompt_tokens, "tokens_cached": t.cached_tokens, "truncated": False,
+           "stop_type": "word" if stop_string else _STOP_TYPES.get(final.finish_reason, "none"),
+           "stopping_word": stop_string or "", "timings": timings(final)}
+    return {**out, "error": final.error} if final.error else out
 
 
 @router.post("/tokenize", responses=_ERRORS, summary="Token ids of a text (llama-server)")

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
+from kiln.engine.fim import Infill
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import KilnError, ModelFileError, RequestError, StoreError, describe_os_error, fields_named, without_paths
@@ -41,7 +42,7 @@ _HARDWARE_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread"
                      "use_mlock", "num_keep", "f16_kv", "vocab_only", "logits_all", "embedding_only"}
 _FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model kept loaded forever
 # kiln's request fields, as Ollama names them
-FIELDS = {"max_tokens": "options.num_predict", "speculative.mode": "options.draft",
+FIELDS = {"max_tokens": "options.num_predict", "num_ctx": "options.num_ctx", "speculative.mode": "options.draft",
           "speculative.max": "options.draft_max", "speculative.ngram": "options.draft_ngram"}
 
 
@@ -65,7 +66,8 @@ class Options(BaseModel):
     seed: int | None = Field(None, description="negative: random")
     num_predict: int | None = Field(None, description="most tokens to generate; negative: until the context is full")
     stop: list[str] | str | None = None
-    num_ctx: int | None = Field(None, description="ignored: every request gets the server's --ctx-len")
+    num_ctx: int | None = Field(None, ge=1, description="the context length to run at: the model is reloaded at it "
+                                                       "when loaded at another (up to --ctx-len, else the model's own)")
     draft: Literal["none", "lookup", "model"] | None = Field(
         None, description="kiln: speculative decoding by prompt lookup or the server's --draft-model")
     draft_max: int | None = Field(None, ge=1, le=MAX_DRAFT, description="kiln: most draft tokens per pass")
@@ -104,6 +106,9 @@ class _Generation(_Model):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    def num_ctx(self) -> int | None:
+        return self.options.num_ctx if self.options else None
+
     def request_fields(self) -> dict:
         """The kiln request fields both generating endpoints share."""
         o = self.options or Options()
@@ -132,7 +137,8 @@ class GenerateRequest(_Generation):
     system: str | None = None
     raw: bool = Field(False, description="send the prompt as is, without the chat template")
     context: list[int] | None = Field(None, description="the `context` of an earlier response, to continue it")
-    suffix: str | None = Field(None, description="not supported")
+    suffix: str | None = Field(None, description="text after the cursor: fill in the middle between the prompt and this "
+                                                 "(models with fill-in-the-middle tokens)")
     template: str | None = Field(None, description="not supported: the model's own chat template is used")
     images: list[str] | None = Field(None, description="not supported: kiln runs text models")
 
@@ -150,8 +156,9 @@ class ModelRequest(_Model):
 class EmbedRequest(_Model):
     model: str = Field(description="an installed model tag, e.g. smollm2:135m")
     input: str | list[str] = Field(description="a text, or a list of texts")
-    truncate: bool = Field(True, description="kiln never truncates: an input longer than the context is an error")
-    options: Options | None = Field(None, description="not used for embeddings")
+    truncate: bool = Field(True, description="cut an input longer than the context to its first tokens (prompt_eval_count "
+                                             "counts those); false: such an input is an error")
+    options: Options | None = Field(None, description="only num_ctx is used for embeddings")
     keep_alive: float | str | None = None
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (then normalized again)")
 
@@ -198,10 +205,11 @@ async def chat(body: ChatRequest, request: Request):
     fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
     if not body.messages:
         return await _load_or_unload(_runtime(request), body.model, keep_alive,
-                                     {"message": {"role": "assistant", "content": ""}})
+                                     {"message": {"role": "assistant", "content": ""}}, body.num_ctx())
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     job = Job("ollama", body.model, GenerationRequest(
-        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive)
+        **fields, messages=messages, tools=[t.model_dump() for t in body.tools] if body.tools else None), keep_alive,
+        body.num_ctx())
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
@@ -218,14 +226,17 @@ async def chat(body: ChatRequest, request: Request):
 
 @router.post("/generate", responses=_ERRORS, summary="Complete a prompt (NDJSON stream unless stream is false)")
 async def generate(body: GenerateRequest, request: Request):
-    for name in ("images", "template", "suffix"):
+    for name in ("images", "template"):
         if getattr(body, name):
             raise RequestError(f"{name} is not supported by kiln's /api/generate", name)
+    if body.suffix and body.context:
+        raise RequestError("suffix: a fill-in-the-middle request cannot continue a context", "suffix")
     fields, keep_alive = body.request_fields(), _keep_alive(body.keep_alive)
-    if not body.prompt and not body.context:
-        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""})
+    if not body.prompt and not body.context and not body.suffix:
+        return await _load_or_unload(_runtime(request), body.model, keep_alive, {"response": ""}, body.num_ctx())
+    infill = Infill(body.prompt, body.suffix) if body.suffix else None
     job = Job("ollama", body.model, GenerationRequest(**fields, prompt=body.prompt, system=body.system, raw=body.raw,
-                                                      context=body.context), keep_alive)
+                                                      context=body.context, infill=infill), keep_alive, body.num_ctx())
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     tag = generation.loaded.tag
@@ -244,7 +255,9 @@ async def embed(body: EmbedRequest, request: Request):
     if not inputs:
         raise RequestError("input is empty", "input")
     keep_alive = _keep_alive(body.keep_alive)
-    result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", http_request=request)
+    with fields_named(FIELDS):
+        result = await embed_inputs(_runtime(request), "ollama", body.model, inputs, keep_alive, "input", request,
+                                    body.truncate, body.options.num_ctx if body.options else None)
     vectors = unit_vectors(result.vectors, body.dimensions)
     return {"model": result.tag, "embeddings": [v.tolist() for v in vectors],
             "total_duration": int(result.total_ms * 1e6), "load_duration": int(result.load_ms * 1e6),
@@ -382,7 +395,8 @@ async def show(body: ModelRequest, request: Request):
                   f"{arch}.attention.key_length": info["head_dim"]}
     shown = {"modelfile": modelfile_of(record), "parameters": parameters, "template": template,
              "details": _details(record), "model_info": model_info,
-             "capabilities": [*CAPABILITIES, *(["thinking"] if template_supports_thinking(template) else [])],
+             "capabilities": [*CAPABILITIES, *(["insert"] if info["insert"] else []),
+                              *(["thinking"] if template_supports_thinking(template) else [])],
              "license": record.license or "", "modified_at": _modified(record)}
     return {**shown, "system": record.system} if record.system is not None else shown
 
@@ -443,7 +457,8 @@ async def version():
 
 # What every model can do here: complete; call tools (a template that does not render them gets them as a
 # system message, and a forced call is held to a grammar); embed (/api/embed takes any model's last
-# hidden state). kiln has no thinking switch and no fill-in-the-middle, so it claims neither.
+# hidden state). Models with fill-in-the-middle tokens also insert, and those whose template takes a
+# thinking switch think.
 CAPABILITIES = ["completion", "tools", "embedding"]
 
 
@@ -520,13 +535,14 @@ def _listing(record) -> dict:
             "digest": record.sha256 or "", "details": _details(record)}
 
 
-async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict) -> dict:
-    """Ollama's empty request: load the model, or with keep_alive 0 unload it."""
+async def _load_or_unload(runtime: Runtime, model: str, keep_alive, body: dict, n_ctx: int | None) -> dict:
+    """Ollama's empty request: load the model (at the context `n_ctx`, when given), or with keep_alive 0 unload it."""
     if keep_alive == 0:
         record = await runtime.resolve(model)
         await runtime.unload(record.tag)
         return {**_head(record.tag), **body, "done": True, "done_reason": "unload"}
-    loaded = await runtime.preload(model, keep_alive)
+    with fields_named(FIELDS):
+        loaded = await runtime.preload(model, keep_alive, n_ctx=n_ctx)
     return {**_head(loaded.tag), **body, "done": True, "done_reason": "load"}
 
 

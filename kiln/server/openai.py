@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln import __version__
 from kiln.engine.speculative import MAX_DRAFT, MAX_NGRAM
+from kiln.engine.fim import Infill
 from kiln.engine.request import ANY_JSON, GenerationRequest
 from kiln.errors import KilnError, ModelNotFoundError, RequestError, fields_named
 from kiln.server.embeddings import embed_inputs, unit_vectors
@@ -198,7 +199,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = Field(None, description="not supported (no fill-in-the-middle models)")
+    suffix: str | None = Field(None, description="text after the cursor: fill in the middle between the prompt and this "
+                                                 "(models with fill-in-the-middle tokens); empty: none")
 
 
 # --- endpoints -----------------------------------------------------------------------------------------
@@ -242,11 +244,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 @router.post("/completions", responses=_ERRORS, summary="Text completion (SSE when stream is true)")
 async def completions(body: CompletionRequest, request: Request):
-    if body.suffix:
-        raise RequestError("suffix is not supported: kiln has no fill-in-the-middle models", "suffix")
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+    if body.suffix and not isinstance(prompt, str):
+        raise RequestError("suffix: a fill-in-the-middle prompt is text, not token ids", "suffix")
     job = Job("openai", body.model, GenerationRequest(**body.request_fields(), prompt=prompt, raw=True,
-                                                      max_tokens=body.max_tokens, logprobs=body.logprobs))
+                                                      max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                                      infill=Infill(prompt, body.suffix) if body.suffix else None))
     with fields_named(FIELDS):
         generation = await start(_runtime(request), job)
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.loaded.tag,

@@ -2,7 +2,9 @@
 alive and unloading. generation.py runs generation requests on it, embeddings.py embedding requests.
 
 One model is loaded at a time. A request for another waits for the running requests to finish, then the
-models are swapped (as Ollama does). An idle model is unloaded when its keep-alive runs out.
+models are swapped (as Ollama does). A request for another context length (Ollama's num_ctx) reloads
+the model the same way, with its slots planned at that length. An idle model is unloaded when its
+keep-alive runs out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 from kiln.chat import warm as warm_renderer
 from kiln.engine.scheduler import QueueFullError, Scheduler
 from kiln.engine.speculative import ModelDrafter, SpecOptions
-from kiln.errors import ModelNotFoundError, RequestError
+from kiln.errors import Field, ModelNotFoundError, RequestError
 from kiln.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -101,15 +103,20 @@ class Runtime:
             raise ModelNotFoundError(f"model {name!r} not found; name an installed model, not a file path")
         return await asyncio.to_thread(self.store.resolve, name)
 
-    async def acquire(self, name: str, allow_path: bool = False) -> Loaded:
-        """The loaded model `name` means, loading or swapping it in; release() it when done."""
+    async def acquire(self, name: str, allow_path: bool = False, n_ctx: int | None = None) -> Loaded:
+        """The loaded model `name` means, loading or swapping it in; release() it when done. `n_ctx`: the
+        context length its slots must have (reloaded at it when they have another); None: as loaded."""
         record = await self.resolve(name, allow_path)
+        if n_ctx is not None:
+            await self._check_context(record, n_ctx)
         async with self._switch:
-            if self.loaded is None or self.loaded.tag != record.tag or self.loaded.stale:
-                if self.loaded is not None:
+            loaded = self.loaded
+            if loaded is None or loaded.tag != record.tag or loaded.stale or \
+                    n_ctx is not None and n_ctx != loaded.model.n_ctx:
+                if loaded is not None:
                     await self._until_idle(f"{record.tag} cannot be loaded yet")
                     await self._unload()
-                await self._load(record)
+                await self._load(record, n_ctx)
             self.loaded.active += 1
             self.loaded.expires_at = None
             return self.loaded
@@ -137,8 +144,8 @@ class Runtime:
         model.stop = list(record.parameters.get("stop", []))
         loaded.record = record
 
-    async def preload(self, name: str, keep_alive=DEFAULT, allow_path: bool = False) -> Loaded:
-        loaded = await self.acquire(name, allow_path)
+    async def preload(self, name: str, keep_alive=DEFAULT, allow_path: bool = False, n_ctx: int | None = None) -> Loaded:
+        loaded = await self.acquire(name, allow_path, n_ctx)
         await self.release(loaded, keep_alive)
         return loaded
 
@@ -185,14 +192,26 @@ class Runtime:
             if self.loaded is not None:
                 await self._unload()
 
-    async def _load(self, record) -> None:
+    async def _check_context(self, record, n_ctx: int) -> None:
+        """A requested context length must fit the server's maximum: --ctx-len, else the model's own."""
+        loaded = self.loaded
+        if loaded is not None and loaded.record is record:
+            trained = loaded.model.config.context_length
+        else:
+            trained = await asyncio.to_thread(trained_context, record)
+        most = min(self.settings.ctx_len or trained, trained)
+        if not 1 <= n_ctx <= most:
+            where = "the server's --ctx-len" if most < trained else f"the context {record.tag} was trained for"
+            raise RequestError((Field("num_ctx"), f" is {n_ctx}, outside 1..{most} ({where})"), "num_ctx")
+
+    async def _load(self, record, n_ctx: int | None = None) -> None:
         from kiln.engine.model import load
 
         s = self.settings
         self.loading = record.tag
         try:
             ref = str(record.path) if record.sha256 is None else record.tag
-            model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=s.ctx_len, n_slots=s.parallel,
+            model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=n_ctx or s.ctx_len, n_slots=s.parallel,
                                             threads=s.threads, store=self.store, progress=False)
             drafter = None
             if s.draft_model:
@@ -220,6 +239,17 @@ class Runtime:
         if loaded.drafter is not None:
             loaded.drafter.model.close()
         log.info("unloaded %s", loaded.tag)
+
+def trained_context(record) -> int:
+    """The context length a model's file says it was trained for."""
+    from kiln.gguf import GGUFFile
+
+    gguf = GGUFFile(record.path)
+    try:
+        return int(gguf.get(f"{gguf.architecture}.context_length", 0))
+    finally:
+        gguf.close()
+
 
 def load_drafter(ref: str, target, settings: Settings, store) -> ModelDrafter:
     """The draft model `ref`, loaded with the target's context and slots, checked against its vocabulary."""
