@@ -106,8 +106,13 @@ def embedding_ids(model, inputs: list, param: str, truncate: bool = False) -> li
     out = []
     for i, item in enumerate(inputs):
         where = f"{param}[{i}]" if len(inputs) > 1 else param
+        if truncate and isinstance(item, str):
+            # the first n_ctx tokens lie within the text's first max_chars(n_ctx) characters; the rest
+            # (one more token's worth kept, for a word running past the cut) need not be encoded at all
+            item = item[: tok.max_chars(n_ctx + 1)]
         try:
-            ids = token_ids(item, tok.vocab_size, where) if isinstance(item, list) else tok.encode(item, max_tokens=n_ctx)
+            ids = (token_ids(item, tok.vocab_size, where) if isinstance(item, list)
+                   else tok.encode(item, max_tokens=None if truncate else n_ctx))
         except ContextLengthError as e:
             raise ContextLengthError(f"{where}: {e}", where) from None
         if not ids:
