@@ -16,6 +16,7 @@ bytes each token stands for, so streamed text and decoded text agree byte for by
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import string
@@ -172,16 +173,19 @@ class Tokenizer:
                  "bos_id": self.bos_id,
                  "eos_id": self.eos_id, "add_bos": self.add_bos, "strip_space_prefix": self._strip_space_prefix,
                  "stop_ids": sorted(self.stop_ids), "chat_template": self._file_chat_template}
+        from kiln.store import TMP_SUFFIX  # named so the store's start-up cleaning removes a killed write's
+
+        partial = file.with_name(f"{file.name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            partial = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             with open(partial, "wb") as f:
                 np.savez(f, state=_text_array(json.dumps(state)), backend=_text_array(self._backend.to_str()),
                          types=np.frombuffer(self._types, dtype=np.uint8).astype(np.int32),
                          **self._tokens.arrays("tokens"), **self._bytes.arrays("bytes"))
             os.replace(partial, file)
-        except OSError:
-            pass
+        except OSError:  # a full disk or a read-only store: no cache, and nothing left half-written
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
 
     @classmethod
     def _load_state(cls, file: Path, gguf: GGUFFile) -> Tokenizer | None:

@@ -377,6 +377,17 @@ def test_gemma_tokenizer_is_cached(gemma3, gemma3_path, tokenizer_cache, monkeyp
     assert cached.encode("Hello world") == gemma3.encode("Hello world") == [2, 9259, 1902]
 
 
+def test_a_failed_cache_write_leaves_nothing(smollm2_path, tmp_path, monkeypatch):
+    def full_disk(f, **arrays):
+        f.write(b"half a cache")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kiln_tokenizer.np, "savez", full_disk)
+    tok = Tokenizer.from_gguf(GGUFFile(smollm2_path), cache_dir=tmp_path)
+    assert tok.encode("Hello world")  # the tokenizer works without its cache
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- chat templates -------------------------------------------------------------------------------
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
