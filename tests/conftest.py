@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.native import kernels
+
 TEST_HOME = Path(os.environ.get("KILN_TEST_HOME", Path.home() / ".cache" / "kiln-test"))
 
 
@@ -26,3 +28,15 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return pulled("gemma3:270m")
+
+
+# the ISA variants this CPU runs natively; tests that take `isa` run once under each
+SUPPORTED_ISAS = [isa for isa in kernels.ISAS if kernels.isa_missing(isa) is None]
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def isa(request):
+    before = kernels.active_isa()
+    kernels.force_isa(request.param)
+    yield request.param
+    kernels.force_isa(before)

@@ -21,7 +21,6 @@ from kiln.synth import write_random_gguf
 from tests.reference import rel_err
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
-SUPPORTED_ISAS = [isa for isa in kernels.ISAS if kernels.isa_missing(isa) is None]
 
 
 def engines(path, n_slots=1, threads=2, n_ctx=96, **native_options):
@@ -39,14 +38,6 @@ def kld(p_logits, q_logits):
     lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
     lp = np.log(p)
     return (p * (lp - lq)).sum(-1)
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def isa(request):
-    before = kernels.active_isa()
-    kernels.force_isa(request.param)
-    yield request.param
-    kernels.force_isa(before)
 
 
 @pytest.mark.parametrize("shape", FAMILIES)

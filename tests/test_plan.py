@@ -12,18 +12,7 @@ from kiln import _native
 from kiln.engine.native import NativeEngine
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
-from kiln.native import kernels
 from kiln.synth import write_random_gguf
-
-SUPPORTED_ISAS = [isa for isa in kernels.ISAS if kernels.isa_missing(isa) is None]
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def isa(request):
-    before = kernels.active_isa()
-    kernels.force_isa(request.param)
-    yield request.param
-    kernels.force_isa(before)
 
 
 def engine(path, **options) -> NativeEngine:
