@@ -4,9 +4,29 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+
+
+# Families transformers reads from GGUF itself; the others are built from a config (hf_model_from_gguf)
+_BUILDERS: dict[str, "Builder"] = {}
+
+
+@dataclass(frozen=True)
+class Builder:
+    """How to build a transformers model of one family from a kiln GGUF file: its config from the file's
+    metadata, and each GGUF tensor's transformers name (None: not a parameter, e.g. rope factors)."""
+
+    config: Callable[[dict], dict]  # metadata (key → value) → transformers config fields incl. model_type
+    name: Callable[[str], str | None]
+    unpermute_qk: bool = False  # llama.cpp's converter permutes q/k rows for its "normal" rope
+
+
+def register_builder(arch: str, builder: Builder) -> None:
+    _BUILDERS[arch] = builder
 
 
 @functools.lru_cache(maxsize=4)
@@ -19,8 +39,70 @@ def hf_model(path: Path):
     logging.disable_progress_bar()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        arch = _architecture(path)
+        if arch in _BUILDERS:
+            return hf_model_from_gguf(path, _BUILDERS[arch])
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+def _architecture(path: Path) -> str:
+    import gguf
+
+    field = gguf.GGUFReader(path).fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _metadata(reader) -> dict:
+    from gguf import GGUFValueType as VT
+
+    out = {}
+    for key, field in reader.fields.items():
+        if not field.types:
+            continue
+        if field.types[0] == VT.ARRAY:
+            if field.types[-1] == VT.STRING:
+                continue  # vocabularies: a transformers model takes token ids
+            out[key] = [field.parts[i].tolist()[0] for i in field.data]
+        elif field.types[0] == VT.STRING:
+            out[key] = bytes(field.parts[field.data[0]]).decode()
+        else:
+            out[key] = field.parts[field.data[0]].tolist()[0]
+    return out
+
+
+def hf_model_from_gguf(path: Path, builder: Builder):
+    """A float32 transformers model holding the file's weights (dequantized), for a family whose GGUF
+    transformers cannot read: the inverse of llama.cpp's converter for that family."""
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reader = gguf.GGUFReader(path)
+    meta = _metadata(reader)
+    fields = builder.config(meta)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    arch = meta["general.architecture"]
+    n_heads = meta[f"{arch}.attention.head_count"]
+    n_kv = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    state = {}
+    for t in reader.tensors:
+        name = builder.name(t.name)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if builder.unpermute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = n_heads if t.name.endswith("attn_q.weight") else n_kv
+            data = data.reshape(heads, data.shape[0] // heads // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(shape)
+        state[name] = torch.from_numpy(np.ascontiguousarray(data))
+    if getattr(config, "tie_word_embeddings", False):
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise AssertionError(f"{path}: transformers parameters missing {missing}, unexpected {unexpected}")
+    return model
 
 
 def hf_logits(path: Path, ids: list[int]) -> np.ndarray:
