@@ -25,6 +25,7 @@ typedef struct {
     /* o[r] += sum_j p[r * TILE + j] * v[j] for r < nq */
     void (*accumulate)(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o);
     void (*exp_row)(float *x, int n, float shift); /* x[i] = exp(x[i] - shift) */
+    void (*cap_row)(float *x, int n, float cap);   /* x[i] = cap * tanh(x[i] / cap) */
 } attn_kernels;
 
 /* ---- portable reference ---- */
@@ -52,7 +53,11 @@ static void exp_generic(float *x, int n, float shift) {
     for (int i = 0; i < n; i++) x[i] = expf(x[i] - shift);
 }
 
-static const attn_kernels GENERIC = {scores_generic, accumulate_generic, exp_generic};
+static void cap_generic(float *x, int n, float cap) {
+    for (int i = 0; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+}
+
+static const attn_kernels GENERIC = {scores_generic, accumulate_generic, exp_generic, cap_generic};
 
 /* ---- AVX2 ---- */
 #if defined(KILN_X86)
@@ -155,7 +160,14 @@ AVX2 static void store_avx2(const float *x, uint16_t *dst, int n) {
     for (; i < n; i++) dst[i] = kiln_float_to_half(x[i]);
 }
 
-static const attn_kernels AVX2_KERNELS = {scores_avx2, accumulate_avx2, exp_avx2};
+AVX2 static void cap_avx2(float *x, int n, float cap) {
+    __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv))));
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+}
+
+static const attn_kernels AVX2_KERNELS = {scores_avx2, accumulate_avx2, exp_avx2, cap_avx2};
 #endif
 
 static const attn_kernels *kernels_for(int hd) {
@@ -164,6 +176,16 @@ static const attn_kernels *kernels_for(int hd) {
 #endif
     (void)hd;
     return &GENERIC;
+}
+
+void kiln_softcap(float *x, int n, float cap) {
+#if defined(KILN_X86)
+    if (kiln_active_isa() >= ISA_AVX2) {
+        cap_avx2(x, n, cap);
+        return;
+    }
+#endif
+    cap_generic(x, n, cap);
 }
 
 void kiln_store_half(const float *x, uint16_t *dst, int n) {
@@ -185,8 +207,8 @@ void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
 size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd); }
 
 void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                      int first, int pos0, int window, int key_lo, int key_hi, float scale, const uint16_t *next_k,
-                      float *scratch, float *o, float *m, float *l) {
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float softcap,
+                      const uint16_t *next_k, float *scratch, float *o, float *m, float *l) {
     const attn_kernels *k = kernels_for(hd);
     int nq = rows * group, last = pos0 + rows - 1 < key_hi - 1 ? pos0 + rows - 1 : key_hi - 1;
     if (first < key_lo) first = key_lo;
@@ -217,6 +239,7 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
                 }
                 memset(sr, 0, sizeof(float) * a);
                 memset(sr + b, 0, sizeof(float) * (nk - b));
+                if (softcap > 0.0f) k->cap_row(sr + a, b - a, softcap);
                 float mx = m[r];
                 for (int j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
                 float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);

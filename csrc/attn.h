@@ -7,12 +7,12 @@
  * share one KV head, over the keys in [key_lo, key_hi) only: one part of a context split for the
  * threads. q: row i, head g at q[i*q_stride + g*hd]; K: this head's keys (layout below), V: this head's
  * values, hd per position; keys first..pos are visible to position pos (and within `window` when it is
- * > 0). Query r = i*group + g gets its running max m[r], its sum of exponentials l[r] and its
+ * > 0). Scores are scale * q·k, soft-capped to softcap * tanh(s / softcap) when softcap > 0. Query r = i*group + g gets its running max m[r], its sum of exponentials l[r] and its
  * unnormalized output o[r*hd ..] (zero and -inf when it sees no key of the part). next_k (or NULL): the
  * first keys of the part computed after this one, which the last tile prefetches. */
 void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                      int first, int pos0, int window, int key_lo, int key_hi, float scale, const uint16_t *next_k,
-                      float *scratch, float *o, float *m, float *l);
+                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float softcap,
+                      const uint16_t *next_k, float *scratch, float *o, float *m, float *l);
 
 /* One query's output from its parts' (o, m, l), in part order: out = sum_p o_p e^(m_p - m) / sum_p
  * l_p e^(m_p - m) with m the largest m_p (negated when `negate`, a debug switch). A single part is
@@ -22,6 +22,9 @@ void kiln_attend_merge(int n_parts, const float *const *o, const float *const *m
 
 /* Floats of scratch kiln_attend_part needs for rows * group queries. */
 size_t kiln_attend_scratch(int n_queries, int hd);
+
+/* x[i] = cap * tanh(x[i] / cap): soft-capped scores and logits (vectorized from AVX2 on, ~2e-7 of cap). */
+void kiln_softcap(float *x, int n, float cap);
 
 /* fp32 → fp16 with round-to-nearest-even (the KV cache's storage format). */
 void kiln_store_half(const float *x, uint16_t *dst, int n);

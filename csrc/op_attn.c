@@ -254,7 +254,7 @@ static void attn_compute(void *ctx, int c, int thread) {
     float *o = scratch(j, thread), *m = o + (size_t)nq * hd, *l = m + nq, *work = l + nq;
     kiln_attend_part(op->q + (size_t)a.t0 * q_dim + (size_t)a.g * group * hd, a.rows, group, hd, q_dim,
                      op->k_cache + base, op->v_cache + base, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
-                     op->scale, chunk_first_keys(p, op, c + 1), work, o, m, l);
+                     op->scale, op->softcap, chunk_first_keys(p, op, c + 1), work, o, m, l);
 }
 
 static void attn_commit(void *ctx, int c, int thread) {
@@ -310,6 +310,7 @@ size_t kiln_attn_scratch(const kiln_op *op, int rows, int out_rows) {
 
 void kiln_attn_bounds(const kiln_op *op, kiln_bounds *b) {
     if (!need_heads(op, b)) return;
+    if (!(op->softcap >= 0.0f && op->softcap < INFINITY)) kiln_bounds_fail(b, "softcap is %g", op->softcap);
     kiln_need(b, "out", op->out, sizeof(float) * b->plan->max_rows * op->n_heads * op->head_dim);
 }
 

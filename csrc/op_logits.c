@@ -1,6 +1,7 @@
 /* The output head (LOGITS): every logit of the rows that want them, in chunks of the vocabulary, then a
  * second pass over the chunks holding each row's best logits: the second rows of precise activations,
  * and for a split int8 head the low bits. */
+#include "attn.h"
 #include "ops.h"
 
 /* The split output head. An int8 head (Q8_0, w = d*q: SmolLM2's tied table is a third of a decode step's
@@ -78,13 +79,21 @@ static void logits_compute(void *ctx, int c, int thread) {
  * vocabulary to the tiles holding a few hundred candidates. */
 #define LOGIT_MARGIN 4.0f
 
+/* The logit below which a row's logits are not refined: `margin` below its best, measured on the logits
+ * as they leave the op, soft-capped ones included (then further below the uncapped best). */
+static float floor_below(float best, float margin, float cap) {
+    if (cap <= 0.0f) return best - margin;
+    float t = tanhf(best / cap) - margin / cap;
+    return t <= -1.0f ? -INFINITY : cap * atanhf(t);
+}
+
 /* Each row's floors from its chunks' maxima, and the chunks holding a logit above some row's lowest floor. */
 static int set_logit_floors(kiln_plan *p, const kiln_op *op, int n_out, int n_chunks) {
     for (int t = 0; t < n_out; t++) {
         float m = -INFINITY;
         for (int c = 0; c < n_chunks; c++) m = p->chunk_best[(size_t)c * n_out + t] > m ? p->chunk_best[(size_t)c * n_out + t] : m;
-        p->logit_floor[t] = m - LOGIT_MARGIN;
-        p->remainder_floor[t] = m - SPLIT_MARGIN;
+        p->logit_floor[t] = floor_below(m, LOGIT_MARGIN, op->softcap);
+        p->remainder_floor[t] = floor_below(m, SPLIT_MARGIN, op->softcap);
     }
     const float *lowest = split(op) ? p->remainder_floor : p->logit_floor;
     int n = 0;
@@ -229,6 +238,7 @@ size_t kiln_logits_scratch(const kiln_op *op, int rows, int out_rows) {
 
 void kiln_logits_bounds(const kiln_op *op, kiln_bounds *b) {
     int O = b->plan->max_out;
+    if (!(op->softcap >= 0.0f && op->softcap < INFINITY)) kiln_bounds_fail(b, "softcap is %g", op->softcap);
     if (op->chunk_tiles < 1) kiln_bounds_fail(b, "chunk_tiles is %d", op->chunk_tiles);
     kiln_need_wmat(b, "w", op->w, op->rows, op->cols);
     if (op->w2) kiln_need_wmat(b, "w2", op->w2, op->rows, op->cols);
@@ -242,11 +252,33 @@ void kiln_logits_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need(b, "out", op->out, sizeof(float) * O * op->rows);
 }
 
+/* Soft-capping (Gemma 2's final logits) comes last, once the refined logits are exact: a chunk's capped
+ * logits in scratch, committed as the first pass's are. */
+static void cap_compute(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    int r0, r1;
+    chunk_rows(op, c, &r0, &r1);
+    float *y = scratch(j, thread);
+    for (int t = 0; t < j->n_out; t++) {
+        memcpy(y + (size_t)t * (r1 - r0), op->out + (size_t)t * op->rows + r0, sizeof(float) * (r1 - r0));
+        kiln_softcap(y + (size_t)t * (r1 - r0), r1 - r0, op->softcap);
+    }
+}
+
+static void cap_commit(void *ctx, int c, int thread) {
+    const job *j = ctx;
+    commit_rows(j, j->op->out, j->op->rows, j->n_out, c, thread);
+}
+
 int64_t kiln_logits_run(kiln_plan *p, job *j) {
     const kiln_op *op = j->op;
     if (split(op)) split_activations(op, j->n_out);
     int64_t wait = kiln_pool_run(p->pool, logits_compute, logits_commit, j, chunks_of(op));
-    if (!refines(op)) return wait;
-    int n_refine = set_logit_floors(p, op, j->n_out, chunks_of(op));
-    return wait + kiln_pool_run(p->pool, refine_compute, refine_commit, j, n_refine);
+    if (refines(op)) {
+        int n_refine = set_logit_floors(p, op, j->n_out, chunks_of(op));
+        wait += kiln_pool_run(p->pool, refine_compute, refine_commit, j, n_refine);
+    }
+    if (op->softcap > 0.0f) wait += kiln_pool_run(p->pool, cap_compute, cap_commit, j, chunks_of(op));
+    return wait;
 }

@@ -94,6 +94,7 @@ typedef struct kiln_op {
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
+    float softcap; /* ATTN: each score, LOGITS: each logit becomes softcap * tanh(x / softcap) (Gemma 2); 0: none */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

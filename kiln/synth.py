@@ -40,6 +40,12 @@ class Shape:
     context_length: int = 2048
     tied: bool = True
     sliding_window: int = 8
+    metadata: tuple[tuple[str, object], ...] = ()  # (key after "<arch>.", value): the switches a variant sets
+    llama3_rope: tuple[float, float, float, int] | None = None  # factor, low and high freq factors, old context
+
+
+# YaRN as Qwen2.5's configs set it (factor 4 over 32k), at a tiny model's scale
+_YARN = (("rope.scaling.type", "yarn"), ("rope.scaling.factor", 4.0), ("rope.scaling.original_context_length", 64))
 
 
 SHAPES = {
@@ -48,6 +54,20 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-llama-yarn": Shape("llama", 64, 2, 4, 2, 16, 128, 512, context_length=256, tied=False, metadata=_YARN),
+    "tiny-qwen2-yarn": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context_length=256, metadata=_YARN),
+    "tiny-qwen3-yarn": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, context_length=256, tied=False,
+                             metadata=_YARN + (("rope.scaling.yarn_beta_fast", 16.0),
+                                               ("rope.scaling.yarn_attn_factor", 1.2))),
+    # soft caps small enough that random weights' scores and logits reach them
+    "tiny-gemma2": Shape("gemma2", 64, 4, 2, 1, 256, 128, 512, sliding_window=4,
+                         metadata=(("attn_logit_softcapping", 0.5), ("final_logit_softcapping", 10.0))),
+    # DeepSeek-R1-Distill-Llama's Llama 3 RoPE scaling (factor 8), as per-frequency divisors in rope_freqs
+    "tiny-llama3": Shape("llama", 64, 2, 4, 2, 16, 128, 512, tied=False, llama3_rope=(8.0, 1.0, 4.0, 64)),
+    "tiny-gemma3-softcap": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4,
+                                 metadata=(("final_logit_softcapping", 10.0),)),
+    # a Mistral llama file that names its window: every layer attends through it
+    "tiny-mistral": Shape("llama", 64, 2, 4, 2, 16, 128, 512, tied=False, metadata=(("attention.sliding_window", 5),)),
 }
 
 
@@ -134,7 +154,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     if tokenizer is not None:
         for key, (value, vtype, sub_type) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type)
-    elif a == "gemma3":
+    elif a in ("gemma2", "gemma3"):
         w.add_sliding_window(shape.sliding_window)
         tokens, scores, types = spm_vocab(shape.vocab_size, rng)
         w.add_tokenizer_model("llama")
@@ -164,6 +184,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
         w.add_chat_template(CHATML_TEMPLATE)
+    for key, value in shape.metadata:
+        _add_metadata(w, f"{a}.{key}", value)
 
     def matrix(name, rows, cols, quant=qtype):
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
@@ -191,9 +213,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
         matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
         matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
-        if a == "gemma3":
+        if a in ("gemma2", "gemma3"):
             norm(p + "post_attention_norm.weight", shape.dim)
             norm(p + "post_ffw_norm.weight", shape.dim)
+    if shape.llama3_rope is not None:
+        _add(w, "rope_freqs.weight", llama3_rope_factors(10000.0 if a == "llama" else 1e6, hd, *shape.llama3_rope), QT.F32)
     norm("output_norm.weight", shape.dim)
     if not shape.tied:
         matrix("output.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
@@ -202,6 +226,24 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, old_context: int) -> np.ndarray:
+    """Llama 3's RoPE scaling as the divisor of each frequency: long wavelengths (past old_context / low)
+    are divided by `factor`, short ones (below old_context / high) kept, and those between blended."""
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    smooth = np.clip((old_context / wavelength - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
+
+
+def _add_metadata(writer: gguf.GGUFWriter, key: str, value) -> None:
+    """A key as llama.cpp's converter types it: strings, uint32 counts, float32 numbers."""
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, float(value))
 
 
 def _tokenizer_fields(path: str | Path) -> dict:

@@ -54,8 +54,8 @@ class Recorder:
     def add(self, a, b):
         return Node("add", (a, b))
 
-    def logits(self, x, weight):
-        return Node("logits", (x,), {"weight": weight})
+    def logits(self, x, weight, softcap=0.0):
+        return Node("logits", (x,), {"weight": weight, "softcap": softcap})
 
 
 @dataclass(eq=False)
@@ -282,7 +282,7 @@ class Lowering:
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
         out = self._floats(attn.n_heads * hd)
         self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
-                   negate=int(layer == self.negate_layer))
+                   negate=int(layer == self.negate_layer), softcap=attn.softcap)
         return out
 
     @staticmethod
@@ -315,7 +315,7 @@ class Lowering:
         lo = self.weights.remainder(node.params["weight"])
         split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
         self._emit(kind=self.n.OP_LOGITS, op_class=self.n.OPC_HEAD, **fields, **split, rows=vocab, w=w.address, w_act=0,
-                   out=self.logits, chunk_tiles=self._chunk_tiles(w))
+                   out=self.logits, chunk_tiles=self._chunk_tiles(w), softcap=node.params["softcap"])
 
 
 def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64,

@@ -28,7 +28,15 @@ ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 def rope_angles(rope: Rope, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     angles = np.outer(positions.astype(np.float32) * np.float32(rope.position_scale), inv_freq.astype(np.float32))
-    return np.cos(angles), np.sin(angles)
+    if rope.magnitude == 1.0:
+        return np.cos(angles), np.sin(angles)
+    magnitude = np.float32(rope.magnitude)
+    return np.cos(angles) * magnitude, np.sin(angles) * magnitude
+
+
+def capped(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap): Gemma's soft ceiling on attention scores and logits."""
+    return x if not cap else np.tanh(x / np.float32(cap)) * np.float32(cap)
 
 
 def apply_rope(x: np.ndarray, rope: Rope, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -50,7 +58,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     t, n_ctx = q.shape[0], keys.shape[0]
     group = attn.n_heads // attn.n_kv_heads
     qh = q.reshape(t, attn.n_kv_heads, group, attn.head_dim)
-    scores = np.einsum("tkgd,skd->kgts", qh, keys) * np.float32(attn.scale)  # (kv, group, t, s)
+    scores = capped(np.einsum("tkgd,skd->kgts", qh, keys) * np.float32(attn.scale), attn.softcap)  # (kv, group, t, s)
     key_pos = np.arange(n_ctx)
     visible = key_pos[None, :] <= positions[:, None]
     if attn.window is not None:
@@ -102,10 +110,10 @@ class NumpyOps:
         self.hidden.append(a + b)
         return self.hidden[-1]
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, softcap=0.0):
         rows = x if self.all_logits else x[-1:]
         self.final = rows
-        return self.linear(rows, weight)
+        return capped(self.linear(rows, weight), softcap)
 
 
 class OracleEngine:

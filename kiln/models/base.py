@@ -8,6 +8,7 @@ two executors — so the fast path can never drift from the reference by constru
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,6 +16,32 @@ import numpy as np
 
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile, describe, is_int
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN scaling (ggml's rope_yarn, transformers' "yarn" rope type): each frequency is a mix of itself
+    (extrapolated) and itself / `factor` (interpolated), by a ramp over the frequencies that complete
+    between `beta_slow` and `beta_fast` turns within `original_context` positions; cos and sin are scaled
+    by `magnitude`, so q·k is scaled by its square."""
+
+    factor: float
+    original_context: int
+    magnitude: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded to whole frequencies (gpt-oss does not)
+
+    def mix(self, inv: np.ndarray, theta: float, dim: int) -> np.ndarray:
+        def turns_at(rotations: float) -> float:  # the pair index whose frequency turns `rotations` times
+            return dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = turns_at(self.beta_fast), turns_at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(len(inv), dtype=np.float64) - low) / max(high - low, 0.001), 0.0, 1.0)
+        return inv / self.factor * ramp + inv * (1.0 - ramp)
 
 
 @dataclass(frozen=True)
@@ -27,12 +54,20 @@ class Rope:
     neox: bool
     freq_factors: str | None = None  # tensor holding per-frequency divisors (Llama 3 scaling)
     position_scale: float = 1.0  # linear scaling: positions are multiplied by this
+    yarn: Yarn | None = None
 
     def inv_freq(self, weights_lookup=None) -> np.ndarray:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
         if self.freq_factors is not None:
             inv = inv / np.asarray(weights_lookup(self.freq_factors), dtype=np.float64)
+        if self.yarn is not None:
+            inv = self.yarn.mix(inv, self.theta, self.dim)
         return inv
+
+    @property
+    def magnitude(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention scaling), 1 otherwise."""
+        return self.yarn.magnitude if self.yarn is not None else 1.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +80,7 @@ class Attention:
     scale: float
     rope: Rope
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none
 
 
 @dataclass
@@ -80,7 +116,7 @@ class Ops(Protocol):
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
     def glu(self, x: Any, gate: str, up: str, act: str) -> Any: ...
     def add(self, a: Any, b: Any) -> Any: ...
-    def logits(self, x: Any, weight: str) -> Any: ...
+    def logits(self, x: Any, weight: str, softcap: float = 0.0) -> Any: ...
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -147,21 +183,62 @@ class Meta:
 
 def rope_scale(m: Meta) -> float:
     """The position scale of RoPE scaling as llama.cpp reads it: linear unless the file says otherwise, by
-    `rope.scaling.factor` (or the older `rope.scale_linear`); 0 means unscaled."""
+    `rope.scaling.factor` (or the older `rope.scale_linear`); 0 means unscaled. YaRN is refused: a family
+    that implements it reads `rope_scaling` instead."""
     kind = m.string("rope.scaling.type", "linear", choices=("none", "linear", "yarn", "longrope"))
     if kind in ("yarn", "longrope"):
         raise UnsupportedModelError(f"{m.gguf.path}: metadata key {m.arch + '.rope.scaling.type'!r} is {kind!r}: "
-                                    "kiln runs unscaled or linearly scaled RoPE only")
-    for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
-                "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
-        m.absent(key, "kiln implements no YaRN scaling")
+                                    f"kiln's {m.arch} family runs unscaled or linearly scaled RoPE only")
+    for key in YARN_KEYS:
+        m.absent(key, "it is a YaRN setting, and the file's RoPE is not YaRN-scaled")
     # only llama.cpp's bookkeeping: linear scaling uses neither
     m.integer("rope.scaling.original_context_length", 0, lo=0)
     m.raw("rope.scaling.finetuned", False)
-    factor = m.number("rope.scaling.factor", 0.0, hi=1e6)
-    if factor == 0.0:
-        factor = m.number("rope.scale_linear", 0.0, hi=1e6)
+    factor = _scaling_factor(m)
     return 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
+
+
+YARN_KEYS = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_ext_factor",
+             "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
+
+
+def _scaling_factor(m: Meta) -> float:
+    factor = m.number("rope.scaling.factor", 0.0, hi=1e6)
+    return factor if factor != 0.0 else m.number("rope.scale_linear", 0.0, hi=1e6)
+
+
+def rope_scaling(m: Meta, context_length: int) -> dict:
+    """`Rope`'s scaling fields for the file's RoPE scaling: linear (`position_scale`, as `rope_scale`) or
+    YaRN (`yarn`). YaRN's keys are read as the model's own config means them (transformers' "yarn" rope
+    type, which llama.cpp's converter writes them from): the ramp's `yarn_beta_fast` / `yarn_beta_slow`
+    (32 and 1 by default, llama.cpp's), and cos and sin scaled by `yarn_attn_factor` where the file has
+    one, else by llama.cpp's 1 + 0.1 ln(factor), times llama.cpp's own `rope.scaling.attn_factor`."""
+    if m.string("rope.scaling.type", "linear", choices=("none", "linear", "yarn", "longrope")) != "yarn":
+        return {"position_scale": rope_scale(m)}
+    factor = _scaling_factor(m) or 1.0
+    m.raw("rope.scaling.finetuned", False)
+    # llama.cpp reads these only for DeepSeek (a mscale ratio) and Grok; neither the model's config nor
+    # llama.cpp's llama-like families apply them, so any other value would be a model no one ran
+    m.absent("rope.scaling.yarn_log_multiplier", "kiln's YaRN has no mscale_all_dim ratio")
+    m.number("rope.scaling.yarn_ext_factor", 1.0, lo=1.0, hi=1.0)
+    default_magnitude = 1.0 + 0.1 * math.log(factor) if factor > 1.0 else 1.0
+    yarn = Yarn(
+        factor=factor,
+        original_context=m.integer("rope.scaling.original_context_length", context_length, hi=MAX_CONTEXT),
+        magnitude=m.number("rope.scaling.yarn_attn_factor", default_magnitude, hi=1e3)
+        * m.number("rope.scaling.attn_factor", 1.0, hi=1e3),
+        beta_fast=m.number("rope.scaling.yarn_beta_fast", 32.0, lo=1e-3, hi=1e6),
+        beta_slow=m.number("rope.scaling.yarn_beta_slow", 1.0, lo=1e-3, hi=1e6),
+    )
+    return {"yarn": yarn}
+
+
+def softcap(m: Meta, key: str, default: float) -> float:
+    """A soft cap c (values become c tanh(x / c)): 0 for none, else at least 1e-3, so x / c stays finite."""
+    value = m.number(key, default, hi=1e6)
+    if 0.0 < value < 1e-3:
+        raise m.fail(key, value, "0 (no cap) or a cap from 0.001")
+    return value
 
 
 def base_config(m: Meta, **overrides) -> dict:

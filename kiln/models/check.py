@@ -127,7 +127,7 @@ class ShapeCheck:
         self._need(b, self.cfg.dim, "a residual branch")
         return Width(self.cfg.dim)
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, softcap=0.0):
         self._need(x, self.cfg.dim, "the output head's input")
         self._matrix(weight, self.cfg.dim, self.cfg.vocab_size)
         return Width(self.cfg.vocab_size)

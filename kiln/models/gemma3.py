@@ -21,7 +21,7 @@ import numpy as np
 
 from kiln.gguf import is_int
 from kiln.models.base import (MAX_CONTEXT, Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope,
-                              output_weight, rope_scale)
+                              output_weight, rope_scale, softcap)
 
 # llama.cpp's defaults where the file does not say: every sixth layer attends over the whole context, and
 # the local layers' RoPE base
@@ -32,12 +32,15 @@ LOCAL_ROPE_THETA = 10000.0
 @dataclass
 class Gemma3Config(ModelConfig):
     sliding_window: int = 0
+    final_softcap: float = 0.0  # logits become c * tanh(logits / c); 0: none
 
 
 def config_from_gguf(m: Meta) -> Gemma3Config:
     cfg = Gemma3Config(**base_config(m), sliding_window=m.integer("attention.sliding_window", hi=MAX_CONTEXT))
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        m.absent(key, "kiln's gemma3 family does not soft-cap")
+    # Gemma 3's configs set neither; llama.cpp and transformers apply only the first to Gemma 3
+    cfg.final_softcap = softcap(m, "final_logit_softcapping", 0.0)
+    m.absent("attn_logit_softcapping", "Gemma 3 does not soft-cap attention scores (neither llama.cpp nor transformers "
+             "applies it)")
     # Queries are scaled by 1/sqrt(query_pre_attn_scalar), which GGUF does not store; it equals the head
     # size for every Gemma 3 except the 62-layer 27B, where it is dim / heads (llama.cpp does the same).
     scale = 1.0 / math.sqrt(cfg.dim / cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim)
@@ -52,10 +55,11 @@ def config_from_gguf(m: Meta) -> Gemma3Config:
     return cfg
 
 
-def sliding_layers(m: Meta, n_layers: int) -> list[bool]:
+def sliding_layers(m: Meta, n_layers: int, period: int = GLOBAL_EVERY) -> list[bool]:
     """Which layers attend through the sliding window: `attention.sliding_window_pattern` is a period p
-    (layer i is local unless i % p == p - 1; 0 makes every layer local) or one flag per layer."""
-    pattern = m.raw("attention.sliding_window_pattern", GLOBAL_EVERY)
+    (layer i is local unless i % p == p - 1; 0 makes every layer local; `period` when the file has
+    none) or one flag per layer."""
+    pattern = m.raw("attention.sliding_window_pattern", period)
     if is_int(pattern) and pattern >= 0:
         return [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
     if isinstance(pattern, np.ndarray) and pattern.shape == (n_layers,) and pattern.dtype.kind in "biu":
@@ -84,4 +88,4 @@ def forward(op: Ops, cfg: Gemma3Config):
     x = op.embed("token_embd.weight", scale=math.sqrt(cfg.dim))
     for i in range(cfg.n_layers):
         x = block(op, cfg, i, x)
-    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), output_weight(cfg))
+    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), output_weight(cfg), cfg.final_softcap)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.models.base import Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope, output_weight, rope_scale
+from kiln.models.base import (MAX_CONTEXT, Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope, output_weight,
+                              rope_scaling)
 
 
 @dataclass
@@ -27,16 +28,22 @@ class LlamaConfig(ModelConfig):
 
 def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
     cfg = LlamaConfig(**base_config(m), **switches)
-    m.absent("attention.sliding_window", f"kiln's {m.arch} family attends over the whole context")
+    # Mistral's llama files say their window here (0: none); llama.cpp ignores it, transformers' Mistral
+    # applies it on every layer, as kiln does
+    window = None
+    if m.arch == "llama":
+        window = m.integer("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT) or None
+    else:
+        m.absent("attention.sliding_window", f"kiln's {m.arch} family attends over the whole context")
     rope = Rope(
         theta=m.number("rope.freq_base", 10000.0, lo=1.0),
         dim=m.integer("rope.dimension_count", cfg.head_dim),
         neox=neox,
         freq_factors="rope_freqs.weight" if "rope_freqs.weight" in m.gguf.tensors else None,
-        position_scale=rope_scale(m),
+        **rope_scaling(m, cfg.context_length),
     )
     check_rope(m, rope, cfg.head_dim)
-    attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim), rope)
+    attn = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim), rope, window)
     cfg.layers = [attn] * cfg.n_layers
     return cfg
 
