@@ -31,6 +31,8 @@ SEEDS = {
     "qwen2": dict(shape="tiny-qwen2", qtype="F16", vocab_size=320),
     "qwen3": dict(shape="tiny-qwen3", qtype="Q4_0", vocab_size=320, head_dim=32),
     "gemma3": dict(shape="tiny-gemma3", qtype="Q8_0", vocab_size=320, head_dim=32),
+    "gemma2": dict(shape="tiny-gemma2", qtype="Q8_0", vocab_size=320, head_dim=32),
+    "qwen2-yarn": dict(shape="tiny-qwen2-yarn", qtype="F16", vocab_size=320),
 }
 
 
@@ -194,7 +196,8 @@ SWITCHES = ["rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_c
             "rope.scaling.attn_factor", "rope.freq_base_swa", "attention.sliding_window_pattern",
             "final_logit_softcapping", "attn_logit_softcapping", "attention.sliding_window", "vocab_size",
             "expert_count", "rope.dimension_count", "attention.key_length", "attention.value_length",
-            "attention.head_count_kv", "pooling_type", "rope.scale_linear"]
+            "attention.head_count_kv", "pooling_type", "rope.scale_linear", "rope.scaling.yarn_beta_fast",
+            "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_ext_factor"]
 TENSOR_NAMES = ["blk.0.attn_qkv.weight", "blk.0.attn_q.bias", "blk.0.attn_output.bias", "blk.0.ffn_up.bias",
                 "rope_freqs.weight", "output.weight", "blk.99.attn_q.weight", "blk.0.attn_q_norm.weight", ""]
 SCALAR_TYPES = [VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.FLOAT32, VT.BOOL, VT.UINT64,

@@ -101,8 +101,8 @@ def test_rope_scaling_reads_as_llama_cpp(tmp_path, ops, scale):
 @pytest.mark.parametrize("ops, message", [
     ([{"op": "set", "key": "llama.attention.value_length", "vtype": VT.UINT32, "value": 8}],
      "'llama.attention.value_length' is 8, expected an integer in 16..16"),
-    ([{"op": "set", "key": "llama.attention.sliding_window", "vtype": VT.UINT32, "value": 4096}],
-     "'llama.attention.sliding_window' is set (4096): kiln's llama family attends over the whole context"),
+    ([{"op": "set", "key": "llama.attention.sliding_window", "vtype": VT.FLOAT32, "value": 4096.0}],
+     "'llama.attention.sliding_window' is 4096.0, expected an integer in 0..16777216"),
     ([{"op": "set", "key": "llama.rope.scaling.type", "vtype": VT.STRING, "value": "dynamic"}],
      "'llama.rope.scaling.type' is 'dynamic', expected one of 'none', 'linear', 'yarn', 'longrope'"),
     ([{"op": "set", "key": "llama.attention.head_count", "vtype": VT.ARRAY, "item": VT.UINT32, "value": [4, 4]}],

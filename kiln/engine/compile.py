@@ -9,7 +9,7 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     add(x, linear(h))           MATMUL with the residual added as it is stored
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
-    logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS
+    logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS (soft-capped last)
 
 Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead. Each op's
 scratch is C's to size (csrc/ops.h: every op family says what it needs).
