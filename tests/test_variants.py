@@ -213,10 +213,19 @@ def engines(path, **options):
     return native, OracleEngine(gguf, fam, n_ctx=128, kv_dtype=np.float16)
 
 
-@pytest.mark.parametrize("shape", VARIANTS)
+# Gemma 3's cap runs through the LOGITS op Gemma 2's does: once is enough for it
+@pytest.mark.parametrize("shape", [s for s in VARIANTS if s != "tiny-gemma3-softcap"])
 def test_native_matches_oracle(shape, tmp_path, isa):
     """Float weights to float32 tolerance (prefill in chunks, then decode steps); int8 ones by KLD and
     top-1. A Q8_0 head is split, so its refinement margin runs through the soft cap."""
+    native_matches_oracle(shape, tmp_path)
+
+
+def test_gemma3_soft_cap_native_matches_oracle(tmp_path):
+    native_matches_oracle("tiny-gemma3-softcap", tmp_path)
+
+
+def native_matches_oracle(shape, tmp_path):
     path = write_random_gguf(tmp_path / "f.gguf", shape, qtype=QT.F32, seed=11)
     native, oracle_ = engines(path, prefill_rows=17, max_batch=4)
     ids = IDS[:70]
