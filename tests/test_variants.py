@@ -253,3 +253,23 @@ def test_kiln_run_answers_with_gemma2_on_the_native_engine(tmp_path, monkeypatch
     path = write_random_gguf(tmp_path / "gemma2.gguf", "tiny-gemma2", qtype=QT.Q8_0, seed=5)
     assert main(["run", str(path), "Hello there", "--temperature", "0", "-n", "8", "-c", "128"]) == 0
     assert capsys.readouterr().out.strip() and [engine.name for engine in made] == ["native"]
+
+
+def test_soft_capped_split_head_refines_within_the_capped_margins(tmp_path, isa, monkeypatch):
+    """A split int8 head refines the logits within its margins of the best as they leave the op, capped:
+    the capped logits near the best come out as the whole head gives them (margins taken before the cap
+    would leave most of them unrefined, the cap squeezing the top logits together)."""
+    from kiln.engine import native as native_module
+
+    path = write_random_gguf(tmp_path / "h.gguf", "tiny-gemma2", qtype=QT.Q8_0, seed=13)
+    split, _ = engines(path)
+    monkeypatch.setattr(native_module, "heads_of", lambda root: set())
+    whole, _ = engines(path)
+    assert split.weights.remainder("token_embd.weight") is not None
+    assert whole.weights.remainder("token_embd.weight") is None
+    split.forward(IDS[:24]), whole.forward(IDS[:24])
+    for step, t in enumerate([7, 99, 300, 12]):
+        a, b = split.forward([t], 0, 24 + step), whole.forward([t], 0, 24 + step)
+        near = b >= b.max() - 3  # within both heads' margins (4 and 10) of the capped best
+        assert np.abs(a - b)[near].max() <= 1e-5 * np.abs(b).max() and near.sum() > 10, step
+        assert a.argmax() == b.argmax()
