@@ -54,7 +54,7 @@ static void exp_generic(float *x, int n, float shift) {
 }
 
 static void cap_generic(float *x, int n, float cap) {
-    for (int i = 0; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+    for (int i = 0; i < n; i++) x[i] = cap * tanhf(x[i] * (1.0f / cap));
 }
 
 static const attn_kernels GENERIC = {scores_generic, accumulate_generic, exp_generic, cap_generic};
@@ -160,11 +160,17 @@ AVX2 static void store_avx2(const float *x, uint16_t *dst, int n) {
     for (; i < n; i++) dst[i] = kiln_float_to_half(x[i]);
 }
 
+/* The tail takes the vector path too, so a value's bits do not depend on where a chunk or tile ends. */
 AVX2 static void cap_avx2(float *x, int n, float cap) {
     __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
     int i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv))));
-    for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, x + i, sizeof(float) * (n - i));
+        _mm256_storeu_ps(tail, _mm256_mul_ps(c, tanh256(_mm256_mul_ps(_mm256_loadu_ps(tail), inv))));
+        memcpy(x + i, tail, sizeof(float) * (n - i));
+    }
 }
 
 static const attn_kernels AVX2_KERNELS = {scores_avx2, accumulate_avx2, exp_avx2, cap_avx2};

@@ -184,11 +184,12 @@ def test_batch_gives_bit_identical_logits(qtype, tmp_path):
     assert np.array_equal(together, np.stack(alone))
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3", "tiny-gemma2"])
 def test_long_context_attention_in_parts(family, tmp_path):
     """Past 512 keys attention splits a context into parts that the threads share, then merges them
-    (prefill blocks straddle part boundaries here, and Gemma3 mixes windowed and global layers): the
-    logits still match the oracle, and the thread count changes no bit."""
+    (prefill blocks straddle part boundaries here, Gemma3 mixes windowed and global layers, and Gemma 2's
+    parts take their running maxima over soft-capped scores): the logits still match the oracle, and the
+    thread count changes no bit."""
     path = write_random_gguf(tmp_path / "g.gguf", family, qtype=QT.F32, seed=12)
     ids = [int(i) for i in np.random.default_rng(5).integers(3, 500, 1100)]
     runs = []
