@@ -173,6 +173,8 @@ def test_yarn_reads_the_files_keys_with_llama_cpps_defaults(tmp_path):
      "'llama.rope.scaling.yarn_beta_fast' is set (8.0): it is a YaRN setting, and the file's RoPE is not YaRN-scaled"),
     ("tiny-gemma3", [setting("gemma3.rope.scaling.type", "yarn", VT.STRING)],
      "'gemma3.rope.scaling.type' is 'yarn': kiln's gemma3 family runs unscaled or linearly scaled RoPE only"),
+    ("tiny-qwen3-yarn", [setting("qwen3.rope.freq_base", 1.0)],
+     "'qwen3.rope.freq_base' is 1.0, expected a base above 1 for YaRN"),
     ("tiny-gemma2", [setting("gemma2.final_logit_softcapping", 2.0 ** -12)],
      "'gemma2.final_logit_softcapping' is 0.000244140625, expected 0 (no cap) or a cap from 0.001"),
     ("tiny-gemma2", [{"op": "rename", "tensor": "blk.0.attn_k.weight", "to": "blk.0.attn_k_norm.weight"}],

@@ -280,6 +280,8 @@ def base_config(m: Meta, **overrides) -> dict:
 def check_rope(m: Meta, rope: Rope, head_dim: int) -> None:
     if rope.dim % 2 or not 0 < rope.dim <= head_dim:
         raise m.fail("rope.dimension_count", rope.dim, f"an even number in 2..{head_dim} (the head size)")
+    if rope.yarn is not None and rope.theta <= 1.0:  # YaRN's ramp is measured in log(theta)
+        raise m.fail("rope.freq_base", rope.theta, "a base above 1 for YaRN")
 
 
 def output_weight(cfg: ModelConfig) -> str:
