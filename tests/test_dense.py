@@ -106,6 +106,14 @@ def test_quantized_model_is_close_to_oracle(shape, qtype, tmp_path, isa):
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
 
 
+def test_olmo2_of_one_kv_head_matches_oracle(tmp_path):
+    """k's norm over its whole projection is a head's norm; q's still spans four heads."""
+    path = write_random_gguf(tmp_path / "o.gguf", "tiny-olmo2", qtype=QT.F32, seed=12, n_kv_heads=1)
+    native, reference = engines(path)
+    ids = [int(i) for i in np.random.default_rng(6).integers(3, 500, 20)]
+    assert rel_err(native.forward(ids, all_logits=True), reference.forward(ids, all_logits=True)) < 1e-4
+
+
 def test_batch_of_slots_matches_oracle(tmp_path):
     """Decode rows of two sequences and a prefill chunk of a third in one step: OLMo2's second QKV pass
     normalizes and stores each row under its own slot and position."""

@@ -292,14 +292,21 @@ class Lowering:
 
     @staticmethod
     def _whole_projection_norms(q_norm: Node | None, k_norm: Node | None, attn) -> bool:
-        """Whether q and k are normalized over the whole projection (OLMo2) rather than per head."""
-        whole = [n.params["heads"] == 1 for n in (q_norm, k_norm) if n is not None]
-        if len(whole) == 1 or (whole and whole[0] != whole[1]):
-            raise CompileError("q and k must both be normalized, the same way, or neither")
+        """Whether q and k are normalized over the whole projection (OLMo2) rather than per head; for a
+        projection of one head the two are the same."""
+        if (q_norm is None) != (k_norm is None):
+            raise CompileError("q and k must both be normalized, or neither")
+        whole = set()
         for norm, heads in ((q_norm, attn.n_heads), (k_norm, attn.n_kv_heads)):
-            if norm is not None and norm.params["heads"] not in (1, heads):
+            if norm is None:
+                continue
+            if norm.params["heads"] not in (1, heads):
                 raise CompileError(f"a q/k norm over {norm.params['heads']} groups of {heads} heads")
-        return bool(whole) and whole[0] and attn.n_heads * attn.n_kv_heads > 1
+            if heads > 1:
+                whole.add(norm.params["heads"] == 1)
+        if len(whole) > 1:
+            raise CompileError("q is normalized per head and k over its whole projection, or the other way")
+        return whole == {True}
 
     @staticmethod
     def _projection(node: Node) -> tuple[Node, Node | None, Rope | None]:
