@@ -222,7 +222,7 @@ class Lowering:
             self._emit(kind=self.n.OP_NORM_ADD, op_class=self.n.OPC_NORM, cols=self.cfg.dim, in_=tmp, res=res, out=out,
                        norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
         else:
-            raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
+            raise CompileError(f"no native op adds a {branch.kind} (scaled by {scale}) to the residual stream")
         self.residuals.append(out)
         return out
 
