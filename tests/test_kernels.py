@@ -666,3 +666,34 @@ def test_amx_matches_generic_bit_for_bit(t):
             assert np.array_equal(y, ref), where + f", chunks split at tile {cut}"
     finally:
         K.force_isa(before)
+
+
+# ---- MXFP4's exponents -------------------------------------------------------------------------------------
+def test_mxfp4_rows_dequantize_as_gguf_does_at_every_exponent():
+    """The embedding path's C dequantization: every e8m0 byte (0 and 1 give subnormal scales) and nibble."""
+    rng = rng_for("mxfp4-rows")
+    raw = rng.integers(0, 256, (256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    got = np.frombuffer(K._native.dequant_rows(int(QT.MXFP4), raw.ravel(), 256 * 32), np.float32)
+    want = quants.dequantize(raw.ravel(), QT.MXFP4).ravel()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ctx("e8m0 rows")
+
+
+@pytest.mark.parametrize("exponents,magnitude", [((0, 1, 2, 3), 1e30), ((249, 250, 251, 252), 1e-30)], ids=("smallest", "largest"))
+def test_mxfp4_extreme_exponents(exponents, magnitude, isa):
+    """Block scales at both ends of e8m0's range (2^-128 and 2^-127 are subnormal; past 2^124 the weights
+    themselves overflow float32) against activations that bring the products back into normal floats, so a
+    wrong scale shows in the result; 65 tokens reach AMX."""
+    rng = rng_for("mxfp4-exp", exponents, isa)
+    rows, cols = 9, 576
+    raw = random_weights(QT.MXFP4, rows, cols, rng).reshape(rows, -1, 17)
+    raw[:, :, 0] = rng.choice(exponents, raw.shape[:2])
+    raw = raw.reshape(rows, -1)
+    w = dequant(QT.MXFP4, raw, rows, cols)
+    pm = K.pack(QT.MXFP4, raw, rows, cols)
+    for n in (1, 3, 65):
+        x = (activations(QT.MXFP4, n, cols, rng) * np.float32(magnitude)).astype(np.float32)
+        y = K.matmul_f32(pm, x).astype(np.float64)
+        ref = quantized_act(x) @ w.T
+        scale = np.sqrt((quantized_act(x) ** 2) @ (w**2).T).max()
+        assert np.isfinite(y).all() and np.abs(y - ref).max() <= 1e-5 * scale, ctx(isa, exponents, f"n_tok {n}")
