@@ -21,6 +21,7 @@ from kiln.engine.sequence import Sequence, plan_budget
 from kiln.engine.speculative import SpecOptions, speculation
 from kiln.errors import ContextLengthError, Field, RequestError
 from kiln.sampling import SamplingParams
+from kiln.harmony import HarmonyParser
 from kiln.tools import OutputParser, ToolCallParser
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
     if not ids:
         raise RequestError((Field(prompt_field), " is empty"), prompt_field)
+    harmony = isinstance(reasoning, HarmonyParser)
+    if harmony and use_tools and request.tool_choice != "auto":
+        raise RequestError((Field("tool_choice"), f" must be 'auto' or 'none' for {model.tag}: a forced call is "
+                            "enforced as a tagged call, and its chat format (harmony) frames calls as messages"),
+                           "tool_choice")
     if request.embed:
         budget = 1
     else:
@@ -104,6 +110,8 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
                    logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
                    speculation=speculation(options, drafter, SPECULATIVE[0]))
+    if harmony:  # its messages frame reasoning, answer and calls alike: one parser reads all three
+        return seq, reasoning.with_tools(toolcalls.tool_names(request.tools) if use_tools else None)
     calls = ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
     if reasoning is not None and calls is not None:
         reasoning.ends_at = toolcalls.OPEN
@@ -127,7 +135,7 @@ def _uses_tools(request: GenerationRequest) -> bool:
 
 
 def _chat_text(model: Model, request: GenerationRequest,
-               use_tools: bool) -> tuple[str, thinking.ReasoningParser | None]:
+               use_tools: bool) -> tuple[str, thinking.ReasoningParser | HarmonyParser | None]:
     """A chat request's prompt text, and the parser of the reasoning its reply holds."""
     tok = model.tokenizer
     chat = request.messages or []
@@ -165,7 +173,7 @@ def _template_variables(model: Model, request: GenerationRequest,
 
 
 def _render(model: Model, request: GenerationRequest, messages: list[dict],
-            tools: list[dict] | None = None) -> tuple[str, thinking.ReasoningParser | None]:
+            tools: list[dict] | None = None) -> tuple[str, thinking.ReasoningParser | HarmonyParser | None]:
     """The chat template's prompt, with the request's thinking switch, and the parser of the reasoning
     the reply holds when the template thinks (inside the block from the start when the prompt opens it)."""
     style = thinking.thinking_style(model.tokenizer.chat_template)
@@ -173,11 +181,13 @@ def _render(model: Model, request: GenerationRequest, messages: list[dict],
     text = model.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=model.n_ctx, **variables)
     if style is None:
         return text, None
+    if style.harmony:
+        return text, HarmonyParser(keep)
     return text, thinking.ReasoningParser(style, text.rstrip().endswith(style.open), keep)
 
 
 def _prompt_ids(model: Model, request: GenerationRequest,
-                use_tools: bool) -> tuple[list[int], thinking.ReasoningParser | None]:
+                use_tools: bool) -> tuple[list[int], thinking.ReasoningParser | HarmonyParser | None]:
     """The prompt's token ids, and the parser of the reasoning the reply holds when the template thinks."""
     tok = model.tokenizer
     reasoning = None
