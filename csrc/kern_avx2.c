@@ -34,12 +34,14 @@ ALWAYS __m256i ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *
 ALWAYS __m256i mxfp4_table(void) {
     return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
 }
+/* 2^(e-128) as (2^(e-127), from the exponent bits) / 2, exact down to e = 1 (2^-127, subnormal); e = 0 reads
+   as zero and the maximum makes it 2^-128. */
 ALWAYS __m256 e8m0x8(const uint8_t *h) {
-    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h));
-    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    __m256 twice = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), 23));
+    return _mm256_max_ps(_mm256_mul_ps(twice, _mm256_set1_ps(0.5f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x00200000)));
 }
+/* 12 * sum32 (KILN_MXFP4_OFFSET) in two shifts and an add, cheaper than a 32-bit multiply. */
+ALWAYS __m256i times12(__m256i v) { return _mm256_add_epi32(_mm256_slli_epi32(v, 3), _mm256_slli_epi32(v, 2)); }
 
 /* Unpack one row's group: header h, quants q, nb blocks (chunk stride 4*nb). For a short group
    (nb < 8) the loads run past the row's data into bytes of other rows or the pack slack: lanes
@@ -144,7 +146,7 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         __m256i sc = f == KF_Q5_K ? p->sc : ones;
         i32 = _mm256_add_epi32(_mm256_madd_epi16(s0, sc), _mm256_madd_epi16(s1, sc));
         if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
-        if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, _mm256_mullo_epi32(sum32, _mm256_set1_epi32(KILN_MXFP4_OFFSET)));
+        if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, times12(sum32));
         break;
     }
     default: { /* Q6K, 6-bit: 2 pair sums per i16; chunks 0-3 are sub-block 2j, 4-7 sub-block 2j+1 */
@@ -203,7 +205,7 @@ ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     i32 = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
     if (f == KF_Q4_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
     if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
-    if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, _mm256_mullo_epi32(sum32, _mm256_set1_epi32(KILN_MXFP4_OFFSET)));
+    if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, times12(sum32));
     return fstep(f, p, ag, i32, acc);
 }
 

@@ -38,12 +38,14 @@ ALWAYS __m512i pair(const uint8_t *q, int c, int cs) {
 ALWAYS __m256i mxfp4_table(void) {
     return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
 }
+/* 2^(e-128) as (2^(e-127), from the exponent bits) / 2, exact down to e = 1 (2^-127, subnormal); e = 0 reads
+   as zero and the maximum makes it 2^-128. */
 ALWAYS __m256 e8m0x8(const uint8_t *h) {
-    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h));
-    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    __m256 twice = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), 23));
+    return _mm256_max_ps(_mm256_mul_ps(twice, _mm256_set1_ps(0.5f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x00200000)));
 }
+/* 12 * sum32 (KILN_MXFP4_OFFSET) in two shifts and an add, cheaper than a 32-bit multiply. */
+ALWAYS __m256i times12(__m256i v) { return _mm256_add_epi32(_mm256_slli_epi32(v, 3), _mm256_slli_epi32(v, 2)); }
 ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
 /* As prep() in kern_avx2.c, including the reads past a short group's data. */
@@ -113,7 +115,7 @@ ALWAYS __m256i offset(kiln_wfmt f, __m256i i32, const uint8_t *ag) {
     if (f == KF_Q4_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
     if (f == KF_Q5_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
     if (f == KF_Q8_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
-    if (f == KF_MXFP4) return _mm256_sub_epi32(i32, _mm256_mullo_epi32(sum32, _mm256_set1_epi32(KILN_MXFP4_OFFSET)));
+    if (f == KF_MXFP4) return _mm256_sub_epi32(i32, times12(sum32));
     return i32;
 }
 

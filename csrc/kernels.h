@@ -227,7 +227,7 @@ static inline float kiln_f16_to_f32(uint16_t h) {
 
 /* MXFP4: the e2m1 values doubled (ggml's kvalues_mxfp4), plus the offset that makes them unsigned, and the
    block scale 2^(e-128) that halves them back (ggml's e8m0_to_fp32_half: e < 2 is subnormal). */
-#define KILN_MXFP4_OFFSET 12
+#define KILN_MXFP4_OFFSET 12 /* the SIMD kernels subtract it as 8x + 4x (times12) */
 static const int8_t kiln_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static inline float kiln_e8m0_half(uint8_t e) {
     uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;

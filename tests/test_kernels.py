@@ -675,7 +675,8 @@ def test_mxfp4_rows_dequantize_as_gguf_does_at_every_exponent():
     raw = rng.integers(0, 256, (256, 17), dtype=np.uint8)
     raw[:, 0] = np.arange(256)
     got = np.frombuffer(K._native.dequant_rows(int(QT.MXFP4), raw.ravel(), 256 * 32), np.float32)
-    want = quants.dequantize(raw.ravel(), QT.MXFP4).ravel()
+    with np.errstate(over="ignore"):  # past e = 252 the largest values overflow float32 to inf, in C alike
+        want = quants.dequantize(raw.ravel(), QT.MXFP4).ravel()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ctx("e8m0 rows")
 
 
