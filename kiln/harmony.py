@@ -20,6 +20,9 @@ from __future__ import annotations
 import json
 import re
 
+import llguidance as llg
+
+from kiln.engine.grammar import JSON_OPTIONS
 from kiln.thinking import partial_marker
 from kiln.tools import Reasoning, ToolCall
 
@@ -133,6 +136,21 @@ class HarmonyParser:
                                f"{body.strip()!r}")
             return None
         return ToolCall(name, arguments)
+
+
+def forced_call_grammar(tools: list[dict], tool_choice: str | dict) -> str:
+    """One call as harmony frames it, of the named tool or any tool (`required`), its arguments valid for the
+    tool's schema. The reply opens with the call's header, so the model reasons no further."""
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    rules = []
+    for t in tools:
+        if name is not None and t["function"]["name"] != name:
+            continue
+        header = f"{CHANNEL}commentary to=functions.{t['function']['name']} <|constrain|>json{MESSAGE}"
+        schema = {**(t["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        rules.append(f"call{len(rules)}: {json.dumps(header)} %json {json.dumps(schema)}")
+    start = "start: " + " | ".join(f"call{i}" for i in range(len(rules)))
+    return llg.LLMatcher.grammar_from_lark("\n".join([start, *rules]))
 
 
 def _channel(header: str) -> str | None:

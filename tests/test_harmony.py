@@ -13,6 +13,7 @@ second `<|channel|>` or `<|message|>` is spelled in two ordinary tokens (the par
 
 from __future__ import annotations
 
+import json
 from io import StringIO
 
 import ollama
@@ -69,6 +70,10 @@ CALLING = ["<|channel|>", "analysis", "<|message|>", "I need the weather.", "<|e
            '{"city": "Paris"}']
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# a forced call's arguments come from the grammar alone (the scripted model knows no call): one enum field
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
 HI = [{"role": "user", "content": "How many?"}]
 CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
 
@@ -186,9 +191,6 @@ def test_the_front_door_renders_the_effort_and_parses_the_reply(gpt):
     assert ('<|start|>assistant<|channel|>analysis<|message|>Weather first.<|end|><|start|>assistant '
             'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
             '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>') in prompt
-    with pytest.raises(RequestError, match="tool_choice must be 'auto' or 'none'") as e:
-        prepare(gpt, GenerationRequest(messages=HI, tools=[WEATHER], tool_choice="required"))
-    assert e.value.param == "tool_choice"
 
 
 def test_kiln_run_shows_the_reasoning_dimmed_or_hides_it(gpt, capsys):
@@ -263,6 +265,22 @@ def test_openai_tool_call_after_reasoning(oai):
                                                  message.tool_calls, r.choices[0].finish_reason)
         assert (reasoning, content, reason) == ("I need the weather.", "", "tool_calls")
         assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_forced_call_is_framed_as_harmony_frames_calls(oai):
+    """tool_choice on a model that would answer instead: the grammar opens the reply with a call's header."""
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        for stream in (False, True):
+            r = oai.chat.completions.create(model="gpt-think", messages=HI, tools=[TIME], tool_choice=choice,
+                                            stream=stream)
+            if stream:
+                deltas = [c.choices[0] for c in r if c.choices]
+                calls = [c for d in deltas for c in d.delta.tool_calls or []]
+                reason = deltas[-1].finish_reason
+            else:
+                calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            assert reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"], (choice, stream)
+            assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET")
 
 
 def test_ollama_think_effort_thinking_and_tool_calls(oll):
