@@ -256,7 +256,8 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_
 
 # bits per weight of a whole file: the block formats' own; Q4_K_M mixes types, 4.58 GiB for Llama-3-8B's
 # 8.03B weights in llama-quantize's table
-_FILE_BITS_PER_WEIGHT = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_M": 4.9, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0}
+_FILE_BITS_PER_WEIGHT = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_M": 4.9, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0,
+                         "MXFP4": 4.25}
 
 
 def catalog_need(entry) -> tuple[int | None, str]:

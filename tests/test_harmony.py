@@ -237,6 +237,7 @@ def test_openai_reasoning_and_content_whole_and_streamed(oai):
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content, whole.choices[0].finish_reason) == (
         "Let me count.", "Three!", "stop")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 3  # "analysis", <|message|>, "Let me count."
     chunks = list(oai.chat.completions.create(model="gpt-think", messages=HI, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me count."
@@ -265,6 +266,19 @@ def test_openai_tool_call_after_reasoning(oai):
                                                  message.tool_calls, r.choices[0].finish_reason)
         assert (reasoning, content, reason) == ("I need the weather.", "", "tool_calls")
         assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_responses_api_reasoning_item_and_call(oai):
+    whole = oai.responses.create(model="gpt-think", input="How many?", reasoning={"effort": "high"})
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Let me count." and whole.output_text == "Three!"
+    events = list(oai.responses.create(model="gpt-think", input="How many?", stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me count."
+    assert events[-1].response.output_text == "Three!"
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    called = oai.responses.create(model="gpt-tools", input="Weather?", tools=[tool])
+    assert [item.type for item in called.output] == ["reasoning", "function_call"]
+    assert (called.output[1].name, json.loads(called.output[1].arguments)) == ("get_weather", {"city": "Paris"})
 
 
 def test_a_forced_call_is_framed_as_harmony_frames_calls(oai):
