@@ -4,10 +4,12 @@ affinity against a baseline with it off; a replica killed mid-stream."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import ollama
@@ -56,10 +58,25 @@ def _ready(url: str, replicas: int, timeout: float = 120.0) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(model):
+    """`kiln serve`, `kiln serve --ray` and `kiln serve --ray --no-affinity`, started together: most of a Ray
+    instance's start is waiting."""
     home, path = model
-    with kiln_server(home, path, "--threads", "1", "--parallel", "4") as plain, _ray_server(model) as ray:
-        _ready(ray.url, 2)
-        yield plain, ray
+    starts = {"plain": lambda: kiln_server(home, path, "--threads", "1", "--parallel", "4"),
+              "ray": lambda: _ray_server(model), "baseline": lambda: _ray_server(model, "--no-affinity")}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(starts)) as pool:
+        futures = {name: pool.submit(_enter, start) for name, start in starts.items()}
+        for future in futures.values():  # each one that started is stopped, whichever failed
+            if future.exception() is None:
+                stack.callback(future.result()[1])
+        running = {name: future.result()[0] for name, future in futures.items()}
+        _ready(running["ray"].url, 2)
+        _ready(running["baseline"].url, 2)
+        yield running
+
+
+def _enter(start):
+    manager = start()
+    return manager.__enter__(), lambda: manager.__exit__(None, None, None)
 
 
 def _clients(url: str):
@@ -97,7 +114,7 @@ def _answers(url: str, path: str) -> dict:
 
 
 def test_every_api_answers_as_kiln_serve_does(servers, model):
-    plain, ray = servers
+    plain, ray = servers["plain"], servers["ray"]
     expected, got = _answers(plain.url, model[1]), _answers(ray.url, model[1])
     assert got["stream"] == got["chat"][0] and got["ollama_stream"] == got["ollama_chat"]
     assert re.fullmatch(r'\{ ?"n": ?\d{1,2} ?\}', got["schema"].strip())
@@ -106,7 +123,7 @@ def test_every_api_answers_as_kiln_serve_does(servers, model):
 
 
 def test_errors_and_metrics_are_the_servers(servers, model):
-    plain, ray = servers
+    ray = servers["ray"]
     oai, _ = _clients(ray.url)
     with pytest.raises(openai.NotFoundError, match="not found"):
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
@@ -148,28 +165,23 @@ def _affinity(url: str, path: str) -> tuple[float, float]:
 
 
 def test_prefix_affinity_routes_a_prompt_to_the_replica_holding_it(servers, model):
-    _, ray = servers
+    ray = servers["ray"]
     on_holder, cached = _affinity(ray.url, model[1])
     assert on_holder >= 0.9 and cached >= 0.9, (on_holder, cached)
     text = httpx.get(f"{ray.url}/metrics", timeout=10).text
     assert float(re.search(r'^kiln_ray_routes_total\{decision="affinity"\} (\S+)', text, re.M).group(1)) >= 25
 
 
-@pytest.fixture(scope="module")
-def baseline(model, servers):
-    with _ray_server(model, "--no-affinity") as ray:
-        yield ray, _ready(ray.url, 2)
-
-
-def test_without_affinity_prompts_scatter(baseline, model):
-    ray, _ = baseline
+def test_without_affinity_prompts_scatter(servers, model):
+    ray = servers["baseline"]
     on_holder, cached = _affinity(ray.url, model[1])
     print(f"affinity off: {on_holder:.0%} on the first replica, {cached:.0%} reused the system prompt")
     assert on_holder < 0.8  # least loaded alone: each request goes to whichever replica is idle
 
 
-def test_a_replica_killed_mid_stream(baseline, model):
-    ray, health = baseline
+def test_a_replica_killed_mid_stream(servers, model):
+    ray = servers["baseline"]
+    health = _ready(ray.url, 2)
     oai, _ = _clients(ray.url)
     pids = {r["id"]: r["pid"] for r in health["replicas"]}
     stream = oai.chat.completions.with_raw_response.create(

@@ -155,8 +155,9 @@ def serve_on_ray(args) -> int:
               "Anthropic: /v1/messages, Ollama: /api)", file=sys.stderr)
         stop.wait()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if address is not None:  # a cluster kiln did not start keeps running, without kiln's application
+            serve.delete("kiln")
+        ray.shutdown()  # a local instance stops with it, replicas and all
     return 0
 
 
