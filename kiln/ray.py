@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -187,7 +186,6 @@ class KilnReplica:
             await asyncio.sleep(0.05)
         if failures:
             raise failures[0]
-        self.ready_at = time.time()
 
     async def forward(self, request: dict, routing_key: str | None = None):
         """Run one HTTP request through the app: yields (status, headers) once, then body chunks. Closing
@@ -238,10 +236,6 @@ class KilnReplica:
         return {"metrics": self.runtime.metrics.render().decode(), "ready": self.runtime.loaded is not None,
                 "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "model": self.runtime.loaded.tag if self.runtime.loaded else None}
-
-    async def check_health(self) -> None:
-        if self.runtime.loaded is None:
-            raise RuntimeError(f"replica {self.replica_id} has no model loaded")
 
 
 async def _next(messages: asyncio.Queue, task: asyncio.Task):

@@ -5,6 +5,7 @@ affinity against a baseline with it off; a replica killed mid-stream."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -202,3 +203,43 @@ def test_a_replica_killed_mid_stream(servers, model):
     assert victim not in {r["id"] for r in back["replicas"]}  # Ray started a new replica in its place
     text = httpx.get(f"{ray.url}/metrics", timeout=10).text
     assert re.search(r"^kiln_ray_streams_failed_total 1\.0", text, re.M)
+
+
+def test_routing_keys_follow_the_prompt_as_sent():
+    from kiln.ray import routing_key
+
+    def key(**body):
+        return routing_key("/v1/chat/completions", json.dumps({"model": "m", **body}).encode())
+
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    later = [*turn, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
+    assert key(messages=later).startswith(key(messages=turn))  # the conversation so far is the prefix
+    assert key(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]) == \
+        key(messages=[{"role": "user", "content": "Hi"}])
+    assert key(prompt="Once") != key(prompt="Twice") and key(prompt="Once").startswith('"m"\n')
+    assert key(tools=[WEATHER_TOOL], messages=turn) != key(messages=turn)
+    assert routing_key("/api/tags", b"") is None and routing_key("/v1/chat/completions", b"[1]") is None
+
+
+def test_metrics_of_replicas_merge_into_one_family_each():
+    from kiln.ray import merge_metrics
+
+    text = ('# HELP kiln_requests_total Requests\n# TYPE kiln_requests_total counter\n'
+            'kiln_requests_total{api="openai"} 3.0\n# HELP kiln_requests_running Running\n'
+            '# TYPE kiln_requests_running gauge\nkiln_requests_running 1.0\n')
+    merged = merge_metrics({"b": text, "a": text.replace("3.0", "5.0")})
+    assert merged.splitlines() == [
+        "# HELP kiln_requests_total Requests", "# TYPE kiln_requests_total counter",
+        'kiln_requests_total{replica="a",api="openai"} 5.0', 'kiln_requests_total{replica="b",api="openai"} 3.0',
+        "# HELP kiln_requests_running Running", "# TYPE kiln_requests_running gauge",
+        'kiln_requests_running{replica="a"} 1.0', 'kiln_requests_running{replica="b"} 1.0']
+
+
+def test_a_cut_stream_ends_with_its_apis_error_event():
+    from kiln.ray import stream_error
+
+    oai = stream_error("/v1/chat/completions", "text/event-stream; charset=utf-8", "gone").decode()
+    assert json.loads(oai.split("\n\n")[0][6:])["error"]["message"] == "gone" and oai.endswith("data: [DONE]\n\n")
+    assert json.loads(stream_error("/api/chat", "application/x-ndjson", "gone")) == {"error": "gone"}
+    anthropic = stream_error("/v1/messages", "text/event-stream", "gone").decode()
+    assert anthropic.startswith("event: error\n") and json.loads(anthropic.split("data: ")[1])["type"] == "error"
