@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 log = logging.getLogger("kiln.ray")
 
 MIN_AFFINITY_CHARS = 32  # a shorter shared prefix saves less prefill than an idle replica saves waiting
+MAX_FORWARD_BYTES = 64 << 20  # a body the ingress holds in memory and hands a replica whole: JSON, not model uploads
 ROUTE_ATTEMPTS = 3  # a request whose replica died before answering goes to another; nothing was sent yet
 STATS_PERIOD_S = 1.0  # how often each replica reports its metrics and health to the router
 
@@ -105,7 +106,7 @@ def _convert(kind: str, value, key: str):
         if kind.startswith("float"):
             return float(value)
     except ValueError:
-        raise KilnError(f"kiln.ray:app argument {key}={value!r} is not a {kind.split(' ')[0]}") from None
+        raise KilnError(f"kiln.ray:app argument {key}={value!r}: expected {kind.split(' ')[0]}") from None
     return value
 
 
@@ -176,9 +177,8 @@ class KilnReplica:
         settings = Settings(parallel=o.parallel, ctx_len=o.ctx_len, max_queue=o.max_queue, keep_alive=o.keep_alive,
                             threads=o.threads, backend=o.backend, prefill_chunk=o.prefill_chunk)
         failures: list[Exception] = []
-        # The ingress already checked Host and Origin; the replica still checks the API key and bodies.
-        self.app = create_app(settings, api_key=o.api_key, cors=["*"], allowed_hosts=["*"], store=store,
-                              preload=o.model, on_fatal=failures.append)
+        self.app = create_app(settings, api_key=o.api_key, cors=o.cors, allowed_hosts=o.allowed_hosts, bind_host=o.host,
+                              store=store, preload=o.model, on_fatal=failures.append)
         self.runtime = self.app.state.runtime
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
@@ -253,30 +253,34 @@ class KilnIngress:
     """Forwards every request to a replica and streams the answer back; /health and /metrics are its own."""
 
     def __init__(self, replicas, options: dict):
-        from kiln.server.app import HostAllowlist, OriginAllowlist
+        from kiln.server.app import HostAllowlist
 
         self.options = RayOptions(**options)
         self.handle = replicas.options(stream=True)
         self.hosts = HostAllowlist(None, HostAllowlist.names(self.options.host, self.options.allowed_hosts))
-        self.origins = OriginAllowlist.compile(self.options.cors)
 
     async def __call__(self, request: Request) -> Response:
-        from kiln.server.app import _SAFE_METHODS, error_response
+        """/health and /metrics here, under the server's Host and API-key rules; everything else in a
+        replica, whose app checks Host, Origin, the key and the body as the single server does."""
+        from kiln.server.app import error_response
 
         path = request.url.path
-        host = request.headers.get("host")
-        if host is not None and not self.hosts.allows(host):
-            return error_response(path, 403, f"Host {host[:100]!r} is not allowed: kiln answers loopback names and "
-                                  "the hosts given with --allowed-hosts", code="host_not_allowed")
-        origin = request.headers.get("origin")
-        if origin is not None and request.method not in _SAFE_METHODS and request.method != "OPTIONS" \
-                and not self.origins.fullmatch(origin):
-            return error_response(path, 403, f"Origin {origin[:100]!r} is not allowed to {request.method} here: "
-                                  "allow it with --cors", code="origin_not_allowed")
-        if path == "/health":
-            return await self.health()
-        if path == "/metrics" and request.method == "GET":
+        if path in ("/health", "/metrics") and request.method == "GET":
+            host = request.headers.get("host")
+            if host is not None and not self.hosts.allows(host):
+                return error_response(path, 403, f"Host {host[:100]!r} is not allowed: kiln answers loopback names "
+                                      "and the hosts given with --allowed-hosts", code="host_not_allowed")
+            if path == "/health":
+                return await self.health()
+            if self.options.api_key and not self._authorized(request):
+                return error_response(path, 401, "a valid API key is required: send it as 'Authorization: Bearer "
+                                      "<key>' (or 'x-api-key: <key>')", code="invalid_api_key",
+                                      type_="authentication_error", headers={"WWW-Authenticate": "Bearer"})
             return self.metrics()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_FORWARD_BYTES:
+            return error_response(path, 413, f"the request body is larger than {MAX_FORWARD_BYTES} bytes, the most "
+                                  "the Ray ingress forwards; add models to the replicas' store on their nodes")
         body = await request.body()
         forwarded = {"method": request.method, "path": path, "query": request.url.query.encode(),
                      "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
@@ -298,6 +302,14 @@ class KilnIngress:
         response.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length" or
                                 not media.startswith(("text/event-stream", "application/x-ndjson"))]
         return response
+
+    def _authorized(self, request: Request) -> bool:
+        import secrets
+
+        key = self.options.api_key.encode()
+        given = request.headers.get("authorization", "").encode("latin-1")
+        return secrets.compare_digest(given, b"Bearer " + key) or \
+            secrets.compare_digest(request.headers.get("x-api-key", "").encode("latin-1"), key)
 
     def _replicas(self) -> dict:
         stats: dict = {}
@@ -334,6 +346,8 @@ async def _relay(stream, path: str, media: str):
         message = f"the replica answering this request stopped ({type(e).__name__}); the response is incomplete"
         log.warning("%s: %s", path, message)
         yield stream_error(path, media, message)
+    finally:
+        stream.cancel()  # the client left: the replica's app sees the disconnect and cancels the generation
 
 
 def stream_error(path: str, media: str, message: str) -> bytes:

@@ -59,18 +59,18 @@ def _ready(url: str, replicas: int, timeout: float = 120.0) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(model):
-    """`kiln serve`, `kiln serve --ray` and `kiln serve --ray --no-affinity`, started together: most of a Ray
-    instance's start is waiting."""
+    """`kiln serve` while `kiln serve --ray` starts, then `kiln serve --ray --no-affinity`: two Ray instances
+    starting at once on a busy 2-core machine can miss Ray's own 30 s deadline for a node to come up."""
     home, path = model
-    starts = {"plain": lambda: kiln_server(home, path, "--threads", "1", "--parallel", "4"),
-              "ray": lambda: _ray_server(model), "baseline": lambda: _ray_server(model, "--no-affinity")}
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(starts)) as pool:
-        futures = {name: pool.submit(_enter, start) for name, start in starts.items()}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        futures = {"plain": pool.submit(_enter, lambda: kiln_server(home, path, "--threads", "1", "--parallel", "4")),
+                   "ray": pool.submit(_enter, lambda: _ray_server(model))}
         for future in futures.values():  # each one that started is stopped, whichever failed
             if future.exception() is None:
                 stack.callback(future.result()[1])
         running = {name: future.result()[0] for name, future in futures.items()}
         _ready(running["ray"].url, 2)
+        running["baseline"] = stack.enter_context(_ray_server(model, "--no-affinity"))
         _ready(running["baseline"].url, 2)
         yield running
 
@@ -142,6 +142,20 @@ def test_errors_and_metrics_are_the_servers(servers, model):
     assert len(replicas) == 2, text
     assert re.search(r'^kiln_ray_routes_total\{decision="balanced"\} [1-9]', text, re.M)
     assert text.count("# TYPE kiln_requests_total counter") == 1  # one family, every replica's samples
+
+
+def test_a_client_that_leaves_cancels_its_generation(servers, model):
+    ray = servers["ray"]
+    body = {"model": model[1], "stream": True, "max_tokens": 1800, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with httpx.stream("POST", f"{ray.url}/v1/chat/completions", json=body, timeout=60) as response:
+        replica = response.headers["x-kiln-replica"]
+        next(response.iter_lines())
+    pattern = rf'^kiln_requests_total\{{replica="{replica}",api="openai",finish_reason="cancelled"\}} 1\.0'
+    deadline = time.monotonic() + 10
+    while not re.search(pattern, text := httpx.get(f"{ray.url}/metrics", timeout=10).text, re.M):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
 
 
 def _affinity(url: str, path: str) -> tuple[float, float]:
@@ -243,3 +257,21 @@ def test_a_cut_stream_ends_with_its_apis_error_event():
     assert json.loads(stream_error("/api/chat", "application/x-ndjson", "gone")) == {"error": "gone"}
     anthropic = stream_error("/v1/messages", "text/event-stream", "gone").decode()
     assert anthropic.startswith("event: error\n") and json.loads(anthropic.split("data: ")[1])["type"] == "error"
+
+
+def test_serve_run_arguments_are_typed_and_checked():
+    from kiln.errors import KilnError
+    from kiln.ray import RayOptions
+
+    options = RayOptions.from_args({"model": "smollm2:135m", "replicas": "2", "pull": "false", "cors": "a.test,b.test",
+                                    "threads": "none", "target_ongoing": "1.5"})
+    assert (options.replicas, options.pull, options.cors, options.threads, options.target_ongoing) == \
+        (2, False, ["a.test", "b.test"], None, 1.5)
+    with pytest.raises(KilnError, match="no argument 'replica'"):
+        RayOptions.from_args({"model": "m", "replica": "2"})
+    with pytest.raises(KilnError, match="replicas='two': expected int"):
+        RayOptions.from_args({"model": "m", "replicas": "two"})
+    with pytest.raises(KilnError, match="more than --max-replicas"):
+        RayOptions.from_args({"model": "m", "min_replicas": "3", "max_replicas": "2"})
+    with pytest.raises(KilnError, match="a model is required"):
+        RayOptions.from_args({})
