@@ -76,7 +76,7 @@ class RayOptions:
         from kiln.errors import KilnError
 
         if not self.model:
-            raise KilnError("a model is required: kiln serve --ray MODEL, or serve run kiln.ray:app model=TAG")
+            raise KilnError("a model is required: kiln serve MODEL --ray, or serve run kiln.ray:app model=TAG")
         for name in ("replicas", "parallel", "threads", "min_replicas", "max_replicas"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "min_replicas" else 1):

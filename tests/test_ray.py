@@ -275,3 +275,13 @@ def test_serve_run_arguments_are_typed_and_checked():
         RayOptions.from_args({"model": "m", "min_replicas": "3", "max_replicas": "2"})
     with pytest.raises(KilnError, match="a model is required"):
         RayOptions.from_args({})
+
+
+def test_the_application_builds_with_fixed_or_autoscaled_replicas():
+    from ray.serve import Application
+
+    from kiln.ray import app
+
+    assert isinstance(app({"model": "smollm2:135m", "replicas": "3", "threads": "2"}), Application)
+    assert isinstance(app({"model": "smollm2:135m", "min_replicas": "1", "max_replicas": "4", "target_ongoing": "3"}),
+                      Application)  # Ray refuses num_replicas beside autoscaling, and mistyped bounds

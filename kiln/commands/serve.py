@@ -132,6 +132,9 @@ def serve_on_ray(args) -> int:
     if address is not None and address != "auto" and ":" not in address:
         raise KilnError(f"--ray {address!r} is not a Ray address (HOST:PORT, auto or ray://HOST:PORT); "
                         "name the model before --ray")
+    if address is not None and not args.model:
+        raise KilnError(f"--ray took {address!r} as the cluster's address, and no model is named: name the model "
+                        "before --ray")
     options = RayOptions(model=args.model or "", replicas=args.replicas, min_replicas=args.min_replicas,
                          max_replicas=args.max_replicas, target_ongoing=args.target_ongoing, threads=args.threads,
                          parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, backend=args.backend,
