@@ -168,7 +168,6 @@ class KilnReplica:
         from kiln.store import Store
 
         o = RayOptions(**options)
-        self.options = o
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         store = Store(o.store) if o.store else Store()
@@ -187,9 +186,13 @@ class KilnReplica:
         if failures:
             raise failures[0]
 
+    async def __del__(self):
+        """Ray stops the replica: its running requests end, its model unloads."""
+        await self._lifespan.__aexit__(None, None, None)
+
     async def forward(self, request: dict, routing_key: str | None = None):
         """Run one HTTP request through the app: yields (status, headers) once, then body chunks. Closing
-        the generator early (the client left) is the app's disconnect."""
+        the generator early (the client left) is the app's disconnect. `routing_key` is the router's."""
         messages: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         body = [{"type": "http.request", "body": request["body"], "more_body": False}]

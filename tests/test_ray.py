@@ -1,5 +1,5 @@
 """`kiln serve --ray`: two one-thread replicas of a synth model on a local Ray instance (loopback), driven
-by the official `openai` and `ollama` clients and compared with `kiln serve` on the same model; prefix
+by the official `openai`, `ollama` and `anthropic` clients and compared with `kiln serve` on the same model; prefix
 affinity against a baseline with it off; a replica killed mid-stream."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import ollama
 import openai
@@ -111,6 +112,10 @@ def _answers(url: str, path: str) -> dict:
                                                                        stream=True))
     out["ollama_format"] = oll.generate(model=path, prompt="Count:", format=SMALL, options={**options, "num_predict": 60}).response
     out["ollama_embed"] = oll.embed(model=path, input="hello").embeddings
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    message = claude.messages.create(model=path, messages=question, max_tokens=12,
+                                     extra_body={"temperature": 0})  # the client no longer lists it
+    out["anthropic"] = [block.text for block in message.content if block.type == "text"], message.stop_reason
     return out
 
 
