@@ -48,6 +48,20 @@ def register(sub) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_draft_args(p)  # the defaults; a request may choose its own mode, max and ngram
+    ray = p.add_argument_group("Ray Serve", "replicas of the model on a Ray cluster behind one endpoint (docs/RAY.md)")
+    ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="serve MODEL from replicas on Ray: on a new local Ray instance, or the cluster at ADDRESS "
+                          "(HOST:PORT, auto, ray://HOST:PORT); name MODEL before this flag")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model set (default 1)")
+    ray.add_argument("--min-replicas", type=int, help="autoscale: the fewest replicas (default 1 with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (instead of --replicas)")
+    ray.add_argument("--target-ongoing", type=float, default=2.0,
+                     help="autoscale: the ongoing requests per replica to aim for (default 2)")
+    ray.add_argument("--store", help="a model store every replica reads (a shared path); default: each node's KILN_HOME")
+    ray.add_argument("--no-pull", dest="pull", action="store_false",
+                     help="replicas do not pull a model their store lacks from the catalog")
+    ray.add_argument("--no-affinity", dest="affinity", action="store_false",
+                     help="route to the least loaded replica only, not to the one holding the prompt's prefix")
     p.set_defaults(func=cmd_serve)
 
 
@@ -67,6 +81,8 @@ def cmd_serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    if args.ray is not None:
+        return serve_on_ray(args)
     max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
     max_upload = parse_size(args.max_upload_bytes, "--max-upload-bytes")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
@@ -99,6 +115,53 @@ def cmd_serve(args) -> int:
     if failures:
         raise KilnError(f"could not load {args.model}: {failures[0]}")
     return 0 if server.started else 1
+
+
+def serve_on_ray(args) -> int:
+    """`kiln serve MODEL --ray [ADDRESS]`: the Ray Serve application, until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from kiln.errors import KilnError
+    from kiln.ray import RayOptions, build
+
+    address = None if args.ray == "local" else args.ray
+    if address is not None and address != "auto" and ":" not in address:
+        raise KilnError(f"--ray {address!r} is not a Ray address (HOST:PORT, auto or ray://HOST:PORT); "
+                        "name the model before --ray")
+    if address is not None and not args.model:
+        raise KilnError(f"--ray took {address!r} as the cluster's address, and no model is named: name the model "
+                        "before --ray")
+    options = RayOptions(model=args.model or "", replicas=args.replicas, min_replicas=args.min_replicas,
+                         max_replicas=args.max_replicas, target_ongoing=args.target_ongoing, threads=args.threads,
+                         parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, backend=args.backend,
+                         prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull, affinity=args.affinity,
+                         api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts, host=args.host,
+                         port=args.port)
+    options.check()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    # a new local instance listens where the server does: only on loopback unless --host says otherwise
+    local = {"_node_ip_address": "127.0.0.1"} if address is None and loopback else {}
+    ray.init(address=address, include_dashboard=False, logging_level=args.log_level.upper(),
+             log_to_driver=args.log_level == "debug", **local)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build(options), name="kiln", route_prefix="/")
+        print(f"kiln serving {options.model} from Ray on http://{args.host}:{args.port} (OpenAI: /v1, "
+              "Anthropic: /v1/messages, Ollama: /api)", file=sys.stderr)
+        stop.wait()
+    finally:
+        if address is not None:  # a cluster kiln did not start keeps running, without kiln's application
+            serve.delete("kiln")
+        ray.shutdown()  # a local instance stops with it, replicas and all
+    return 0
 
 
 def _listed(value: str | None) -> list[str]:

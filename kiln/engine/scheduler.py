@@ -373,8 +373,16 @@ class Scheduler:
         prompt = seq.prompt_ids
         longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
-        slot = max(self.free, key=lambda s: (common_prefix(self.slot_tokens[s], prompt), -self.slot_used[s]))
-        cached = min(common_prefix(self.slot_tokens[slot], prompt), longest)
+        # A slot that would keep less than half of what it caches (another system prompt, sharing only the
+        # template's opening) is not reused while a slot is free that loses less: a later request may
+        # bring that prompt back (llama-server's slot similarity does the same).
+        shares = {s: common_prefix(self.slot_tokens[s], prompt) for s in self.free}
+        reusable = [s for s in self.free if 2 * shares[s] >= len(self.slot_tokens[s])]
+        if reusable:
+            slot = max(reusable, key=lambda s: (shares[s], -self.slot_used[s]))
+        else:
+            slot = min(self.free, key=lambda s: self.slot_used[s])
+        cached = min(shares[slot], longest)
         # A busy slot may hold more of it (clients that send the same system prompt at once): then that
         # prefix's KV is copied into the least recently used free slot, for a fraction of a prefill's cost.
         shared, source = max(((min(common_prefix(r.seq.all_ids[: r.fed], prompt), longest), r.seq.slot)
