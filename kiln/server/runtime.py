@@ -145,9 +145,13 @@ class Runtime:
                     old.retiring = False
                     raise
                 await self._unload(old)
-            need = await self._footprint(record, n_ctx)
-            await self._make_room(record.tag, need)
-            return self._take(await self._load(record, n_ctx, need))
+            self.loading = record.tag
+            try:
+                need = await self._footprint(record, n_ctx)
+                await self._make_room(record.tag, need)
+                return self._take(await self._load(record, n_ctx, need))
+            finally:
+                self.loading = None
 
     def _usable(self, tag: str, n_ctx: int | None) -> Loaded | None:
         loaded = self.models.get(tag)
@@ -296,21 +300,17 @@ class Runtime:
         from kiln.engine.model import load
 
         s = self.settings
-        self.loading = record.tag
-        try:
-            ref = str(record.path) if record.sha256 is None else record.tag
-            model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=n_ctx or s.ctx_len, n_slots=s.parallel,
-                                            threads=s.threads, store=self.store, progress=False, pool=self._pool)
-            self._pool = self._pool or model.engine.pool
-            drafter = None
-            if s.draft_model:
-                try:
-                    drafter = await asyncio.to_thread(load_drafter, s.draft_model, model, s, self.store, self._pool)
-                except BaseException:
-                    model.close()
-                    raise
-        finally:
-            self.loading = None
+        ref = str(record.path) if record.sha256 is None else record.tag
+        model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=n_ctx or s.ctx_len, n_slots=s.parallel,
+                                        threads=s.threads, store=self.store, progress=False, pool=self._pool)
+        self._pool = self._pool or model.engine.pool
+        drafter = None
+        if s.draft_model:
+            try:
+                drafter = await asyncio.to_thread(load_drafter, s.draft_model, model, s, self.store, self._pool)
+            except BaseException:
+                model.close()
+                raise
         await asyncio.to_thread(warm_renderer)  # the first chat then finds a template worker waiting
         scheduler = Scheduler(model.engine, s.parallel, s.max_queue, s.prefill_chunk, self._turns)
         scheduler.start()
