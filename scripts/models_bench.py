@@ -5,7 +5,7 @@ over the models against all of them on one, and what switching from one model to
     python scripts/models_bench.py --url ... --models a,b --switches 6
 
 Throughput: `--clients` clients in all, split evenly over `--models`, each sending back-to-back
-completions of `--max-tokens`; tokens counted from the replies' usage, over the wall time until the last
+chat completions (scripts/loadtest.py's stories) of up to `--max-tokens`; tokens counted from the replies' usage, over the wall time until the last
 reply. Switches: one short request to each model in turn; the latency of each request that follows a
 request to another model (with both resident it is a request; with one resident, a reload and a request).
 """
@@ -20,12 +20,14 @@ import time
 
 import httpx
 
-PROMPT = "Write a long story about a lighthouse keeper and the sea."
+TOPICS = ["the sea", "a lighthouse keeper", "volcanoes", "a robot learning to paint", "the history of bread",
+          "why the sky is blue", "a chess match", "migrating birds"]  # scripts/loadtest.py's
 
 
-async def complete(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> int:
-    r = await client.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
-                                                         "temperature": 0.7, "seed": 1})
+async def complete(client: httpx.AsyncClient, url: str, model: str, max_tokens: int, topic: str = TOPICS[0]) -> int:
+    r = await client.post(f"{url}/v1/chat/completions", json={
+        "model": model, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}]})
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"]
 
@@ -39,12 +41,14 @@ async def throughput(url: str, models: list[str], clients: int, seconds: float, 
         start = time.perf_counter()
         deadline = time.monotonic() + seconds
 
-        async def worker(model: str):
+        async def worker(i: int):
+            model = models[i % len(models)]
             while time.monotonic() < deadline:
-                tokens[model] += await complete(client, url, model, max_tokens)
+                n = await complete(client, url, model, max_tokens, TOPICS[i % len(TOPICS)])
+                tokens[model] += n  # after the await: `+= await` would add to the count read before it
                 ends.append(time.perf_counter())
 
-        await asyncio.gather(*(worker(models[i % len(models)]) for i in range(clients)))
+        await asyncio.gather(*(worker(i) for i in range(clients)))
     elapsed = max(ends) - start
     return {"models": models, "clients": clients, "seconds": round(elapsed, 2), "tokens": tokens,
             "tok_per_s": round(sum(tokens.values()) / elapsed, 1)}
