@@ -20,6 +20,8 @@ from tests.serving import kiln_server
 
 A, B, C = "alpha:tiny", "beta:tiny", "gamma:tiny"
 CTX, SLOTS = "256", "2"
+LONG = 8192  # the models' own context: room for a generation that outlasts another model's requests
+FORCED = {"300": 100}  # a token that is never a stop token, pushed to the top: generation runs to its limit
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,8 @@ def home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     store = Store(home=home)
     for seed, (tag, shape) in enumerate(((A, "tiny-qwen2"), (B, "tiny-llama"), (C, "tiny-qwen3"))):
-        store.pull(str(write_random_gguf(home / f"{seed}.gguf", shape, seed=seed)), progress=False, name=tag)
+        path = write_random_gguf(home / f"{seed}.gguf", shape, seed=seed, context_length=LONG)
+        store.pull(str(path), progress=False, name=tag)
     return home
 
 
@@ -127,26 +130,63 @@ def test_each_model_expires_on_its_own_keep_alive(home):
 
 
 def test_a_loaded_model_answers_while_another_is_busy(home):
-    with kiln_server(home, "--ctx-len", "2048", "--parallel", SLOTS) as server:
+    with kiln_server(home, "--ctx-len", str(LONG), "--parallel", SLOTS) as server:
         oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         oll = ollama.Client(host=server.url)
         for tag in (A, B):
             oll.generate(model=tag, keep_alive="10m")
-        long_one: list = []
-        story = threading.Thread(target=lambda: long_one.extend(oll.generate(
-            model=A, prompt="a long story", stream=True, options={"num_predict": 1800, "temperature": 0})))
+        seen, enough = [], threading.Event()
+
+        def story():  # longer than the test lasts: read until told, then hang up (the server cancels it)
+            with oai.completions.create(model=A, prompt="a long story", max_tokens=LONG - 100, logit_bias=FORCED,
+                                        stream=True) as chunks:
+                for chunk in chunks:
+                    seen.append(chunk)
+                    if enough.is_set():
+                        break
+
+        thread = threading.Thread(target=story)
+        thread.start()
+        try:
+            assert wait_for(lambda: len(seen) > 10)
+            for stream in (False, True):
+                if stream:
+                    r = oai.chat.completions.create(model=B, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=4, stream=True)
+                    assert [c.choices[0].finish_reason for c in r if c.choices][-1] in ("stop", "length")
+                else:
+                    r = oai.completions.create(model=B, prompt="hi", max_tokens=4)
+                    assert r.model == B and r.usage.completion_tokens > 0
+                assert thread.is_alive() and server.metric("kiln_requests_running") == 1  # A is still generating
+        finally:
+            enough.set()
+            thread.join()
+        assert seen[-1].choices[0].finish_reason is None  # cut off by the client, not finished
+        assert wait_for(lambda: server.metric("kiln_requests_running") == 0)
+        assert (loads(server, A), loads(server, B)) == (1, 1)
+
+
+def test_a_load_waits_for_a_busy_model_to_go_idle_before_evicting_it(home):
+    with kiln_server(home, "--ctx-len", "4096", "--parallel", SLOTS, "--max-loaded", "1") as server:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        oll = ollama.Client(host=server.url)
+        oll.generate(model=A, keep_alive="10m")
+        answers = {}
+        story = threading.Thread(target=lambda: answers.setdefault(A, oai.completions.create(
+            model=A, prompt="a long story", max_tokens=2500, logit_bias=FORCED)))
+        other = threading.Thread(target=lambda: answers.setdefault(B, oll.generate(
+            model=B, prompt="x", options={"num_predict": 2})))
         story.start()
         try:
             assert wait_for(lambda: server.metric("kiln_requests_running") == 1)
-            for stream in (False, True):
-                r = oai.chat.completions.create(model=B, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                                stream=stream)
-                if stream:
-                    assert [c.choices[0].finish_reason for c in r if c.choices][-1] in ("stop", "length")
-                else:
-                    assert r.model == B and r.usage.completion_tokens > 0
-                assert story.is_alive() and server.metric("kiln_requests_running") >= 1  # A is still generating
+            other.start()
+            time.sleep(0.3)
+            assert other.is_alive() and loaded(server) == [A]  # B waits: A is busy and there is room for one
+            assert httpx.get(f"{server.url}/health").status_code == 200  # serving A meanwhile
         finally:
             story.join()
-        assert long_one[-1].done and long_one[-1].eval_count > 0
-        assert (loads(server, A), loads(server, B)) == (1, 1)
+            other.join()
+        a, b = answers[A], answers[B]
+        assert a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 2500  # never cut off
+        assert b.done and b.load_duration > 0
+        assert loaded(server) == [B] and (loads(server, A), loads(server, B)) == (1, 1)

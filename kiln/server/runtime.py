@@ -145,10 +145,12 @@ class Runtime:
                     old.retiring = False
                     raise
                 await self._unload(old)
-            self.loading = record.tag
+            self.loading = record.tag  # /health: 503 while it loads, not while it waits for room
             try:
                 need = await self._footprint(record, n_ctx)
+                self.loading = None
                 await self._make_room(record.tag, need)
+                self.loading = record.tag
                 return self._take(await self._load(record, n_ctx, need))
             finally:
                 self.loading = None
