@@ -190,3 +190,18 @@ def test_a_load_waits_for_a_busy_model_to_go_idle_before_evicting_it(home):
         assert a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 2500  # never cut off
         assert b.done and b.load_duration > 0
         assert loaded(server) == [B] and (loads(server, A), loads(server, B)) == (1, 1)
+
+
+def test_the_environment_sets_max_loaded_and_max_memory(home, monkeypatch):
+    from kiln.cli import build_parser
+
+    monkeypatch.setenv("KILN_MAX_LOADED_MODELS", "5")
+    monkeypatch.setenv("KILN_MAX_MEMORY", "12G")
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_loaded, args.max_memory) == (5, "12G")
+    assert build_parser().parse_args(["serve", "--max-loaded", "2"]).max_loaded == 2  # the flag wins
+    with kiln_server(home, "--ctx-len", CTX, "--parallel", SLOTS, env={"KILN_MAX_LOADED_MODELS": "1"}) as server:
+        oll = ollama.Client(host=server.url)
+        for tag in (A, B):
+            assert oll.generate(model=tag, prompt="x", options={"num_predict": 1}).done
+        assert loaded(server) == [B]
