@@ -16,7 +16,8 @@ GRACE_S = 2  # seconds running requests get to finish once the server is told to
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs",
                        description="Serve the OpenAI (/v1) and Ollama (/api) APIs, /health and /metrics. Models load "
-                                   "on first request (or MODEL at startup) and unload after --keep-alive idle.")
+                                   "on first request (or MODEL at startup), up to --max-loaded at once, and "
+                                   "unload after --keep-alive idle.")
     p.add_argument("model", nargs="?", help="load this model at startup, pulling it if needed (tag or .gguf path)")
     env = os.environ.get
     p.add_argument("--host", default=env("KILN_HOST", "127.0.0.1"), help="address to bind (env KILN_HOST; default 127.0.0.1)")
@@ -47,6 +48,13 @@ def register(sub) -> None:
     p.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-loaded", type=int, default=env("KILN_MAX_LOADED_MODELS", "3"),
+                   help="models loaded at once; loading one more evicts the least recently used idle one "
+                        "(env KILN_MAX_LOADED_MODELS; default 3)")
+    p.add_argument("--max-memory", default=env("KILN_MAX_MEMORY"),
+                   help="most memory the loaded models may take together, by `kiln validate`'s footprint of "
+                        "each, in bytes or with K, M, G; a model that would exceed it evicts idle ones "
+                        "(env KILN_MAX_MEMORY; default: no cap but the memory available)")
     add_draft_args(p)  # the defaults; a request may choose its own mode, max and ngram
     ray = p.add_argument_group("Ray Serve", "replicas of the model on a Ray cluster behind one endpoint (docs/RAY.md)")
     ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
@@ -73,7 +81,7 @@ def cmd_serve(args) -> int:
     from kiln.server.runtime import Settings, parse_keep_alive
     from kiln.store import Store
 
-    for name in ("parallel", "max_queue", "port"):
+    for name in ("parallel", "max_queue", "port", "max_loaded"):
         if getattr(args, name) < (1 if name != "max_queue" else 0):
             raise KilnError(f"--{name.replace('_', '-')} must be {'at least 1' if name != 'max_queue' else '>= 0'}")
     if args.port > 65535:  # the socket layer would take it modulo 65536 and bind somewhere else
@@ -85,9 +93,11 @@ def cmd_serve(args) -> int:
         return serve_on_ray(args)
     max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
     max_upload = parse_size(args.max_upload_bytes, "--max-upload-bytes")
+    max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
                         threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
-                        speculative=spec_from_args(args), draft_model=args.draft_model)
+                        speculative=spec_from_args(args), draft_model=args.draft_model, max_loaded=args.max_loaded,
+                        max_memory=max_memory)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store()
     for blob in store.prune():  # uploads (POST /api/blobs) that no /api/create took
