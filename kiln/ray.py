@@ -37,7 +37,7 @@ class RayOptions:
     """What `kiln serve --ray` and `serve run kiln.ray:app key=value ...` configure."""
 
     model: str = ""  # an installed tag, a catalog tag to pull, or a .gguf path every node can read
-    replicas: int = 1  # fixed replica count; ignored when max_replicas is set
+    replicas: int = 1  # fixed replica count; with max_replicas it must stay 1 (autoscaling sets it)
     min_replicas: int | None = None  # autoscaling bounds: both set (or max alone, min then 1) enable it
     max_replicas: int | None = None
     target_ongoing: float = 2.0  # autoscaling: ongoing requests per replica it aims for
@@ -81,6 +81,10 @@ class RayOptions:
             value = getattr(self, name)
             if value is not None and value < (0 if name == "min_replicas" else 1):
                 raise KilnError(f"--{name.replace('_', '-')} must be at least {0 if name == 'min_replicas' else 1}")
+        if self.max_replicas is None and self.min_replicas is not None:
+            raise KilnError("--min-replicas bounds autoscaling, which --max-replicas turns on: give both")
+        if self.max_replicas is not None and self.replicas != 1:
+            raise KilnError(f"--replicas ({self.replicas}) fixes the count and --max-replicas autoscales: give one")
         if self.max_replicas is not None and (self.min_replicas or 1) > self.max_replicas:
             raise KilnError(f"--min-replicas ({self.min_replicas}) is more than --max-replicas ({self.max_replicas})")
         if self.target_ongoing <= 0:

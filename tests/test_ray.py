@@ -278,6 +278,10 @@ def test_serve_run_arguments_are_typed_and_checked():
         RayOptions.from_args({"model": "m", "replicas": "two"})
     with pytest.raises(KilnError, match="more than --max-replicas"):
         RayOptions.from_args({"model": "m", "min_replicas": "3", "max_replicas": "2"})
+    with pytest.raises(KilnError, match="--min-replicas bounds autoscaling"):
+        RayOptions.from_args({"model": "m", "min_replicas": "2"})
+    with pytest.raises(KilnError, match=r"--replicas \(3\) fixes the count"):
+        RayOptions.from_args({"model": "m", "replicas": "3", "max_replicas": "4"})
     with pytest.raises(KilnError, match="a model is required"):
         RayOptions.from_args({})
 

@@ -89,6 +89,9 @@ def cmd_serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    unused = unused_flags(args)
+    if unused:
+        raise KilnError(f"{', '.join(unused)}: not used {'with' if args.ray is not None else 'without'} --ray")
     if args.ray is not None:
         return serve_on_ray(args)
     max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
@@ -125,6 +128,20 @@ def cmd_serve(args) -> int:
     if failures:
         raise KilnError(f"could not load {args.model}: {failures[0]}")
     return 0 if server.started else 1
+
+
+def unused_flags(args) -> list[str]:
+    """The flags given that the chosen server would not read: Ray's without --ray; with it, the
+    single server's that a replica's app does not take (RayOptions)."""
+    if args.ray is None:
+        given = {"--replicas": args.replicas != 1, "--min-replicas": args.min_replicas is not None,
+                 "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing != 2.0,
+                 "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity}
+    else:
+        given = {"--max-memory": args.max_memory is not None, "--draft": args.draft is not None,
+                 "--draft-model": args.draft_model is not None, "--draft-max": args.draft_max is not None,
+                 "--ngram": args.ngram is not None}
+    return [flag for flag, present in given.items() if present]
 
 
 def serve_on_ray(args) -> int:
