@@ -138,13 +138,7 @@ class Runtime:
                 return self._take(loaded)
             old = self.models.get(record.tag)
             if old is not None:  # other weights or another context: reloaded once its own requests finish
-                old.retiring = True
-                try:
-                    await self._until_idle(old, f"{record.tag} cannot be reloaded yet")
-                except BaseException:
-                    old.retiring = False
-                    raise
-                await self._unload(old)
+                await self._retire(old, f"{record.tag} cannot be reloaded yet")
             self.loading = record.tag  # /health: 503 while it loads, not while it waits for room
             try:
                 need = await self._footprint(record, n_ctx)
@@ -201,14 +195,19 @@ class Runtime:
         """Unload the model `tag` (every model: None) once its requests are done; False if none was loaded."""
         targets = [m for m in self.models.values() if tag is None or m.tag == tag]
         for loaded in targets:
-            loaded.retiring = True
-            try:
-                await self._until_idle(loaded, "it cannot be unloaded yet")
-            except BaseException:
-                loaded.retiring = False
-                raise
-            await self._unload(loaded)
+            await self._retire(loaded, "it cannot be unloaded yet")
         return bool(targets)
+
+    async def _retire(self, loaded: Loaded, consequence: str) -> None:
+        """Unload `loaded` once its requests finish, no new one taking it meanwhile; if the wait fails
+        (SWAP_WAIT_S, or the caller left) it stays loaded and usable."""
+        loaded.retiring = True
+        try:
+            await self._until_idle(loaded, consequence)
+        except BaseException:
+            loaded.retiring = False
+            raise
+        await self._unload(loaded)
 
     async def _until_idle(self, loaded: Loaded, consequence: str) -> None:
         """Wait for `loaded`'s requests to finish, but not for ever: past SWAP_WAIT_S the one waiting is
