@@ -87,9 +87,7 @@ def run_steps(s: Scheduler, n: int | None = None) -> None:
     """Drive the loop by hand: n steps, or until nothing is left."""
     count = 0
     while (n is None or count < n) and (s.running or s.waiting):
-        batch = s.schedule()
-        if batch.tokens and (logits := s.run(batch)) is not None:
-            s.postprocess(batch, logits)
+        assert s.step()
         count += 1
 
 

@@ -245,10 +245,6 @@ class Scheduler:
             while not (self._stopping or self.waiting or self.running):
                 self._cv.wait()
 
-    def schedule(self) -> Batch | None:
-        self._wait_for_work()
-        return self._take_batch()
-
     def _take_batch(self) -> Batch | None:
         """The next step's batch (empty when cancellations left nothing to run); None when stopping."""
         with self._cv:
