@@ -54,21 +54,23 @@ def config_from_gguf(m: Meta) -> GraniteConfig:
     return cfg
 
 
-def block(op: Ops, cfg: GraniteConfig, i: int, x):
+def block(op: Ops, cfg: ModelConfig, i: int, x, residual_scale: float = 1.0):
+    """The Llama block with each residual branch scaled, rotary embeddings only where the layer has them
+    (SmolLM3's block too, unscaled)."""
     p, attn, eps = f"blk.{i}.", cfg.layers[i], cfg.norm_eps
     h = op.rmsnorm(x, p + "attn_norm.weight", eps)
     q, k, v = (op.linear(h, p + f"attn_{n}.weight") for n in "qkv")
     if attn.rope is not None:
         q, k = op.rope(q, attn.rope, attn.n_heads), op.rope(k, attn.rope, attn.n_kv_heads)
-    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"), scale=cfg.residual_scale)
+    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"), scale=residual_scale)
 
     h = op.rmsnorm(x, p + "ffn_norm.weight", eps)
     h = op.linear(op.glu(h, p + "ffn_gate.weight", p + "ffn_up.weight", "silu"), p + "ffn_down.weight")
-    return op.add(x, h, scale=cfg.residual_scale)
+    return op.add(x, h, scale=residual_scale)
 
 
 def forward(op: Ops, cfg: GraniteConfig):
     x = op.embed("token_embd.weight", scale=cfg.embedding_scale)
     for i in range(cfg.n_layers):
-        x = block(op, cfg, i, x)
+        x = block(op, cfg, i, x, cfg.residual_scale)
     return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), output_weight(cfg), scale=1.0 / cfg.logit_scale)

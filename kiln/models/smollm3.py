@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from kiln.models.base import Attention, Meta, ModelConfig, Ops, Rope, base_config, output_weight, rope_scale
+from kiln.models.granite import block
 
 NO_ROPE_EVERY = 4
 
@@ -35,18 +36,6 @@ def config_from_gguf(m: Meta) -> ModelConfig:
     cfg.layers = [Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, scale,
                             rope if (i + 1) % NO_ROPE_EVERY else None) for i in range(cfg.n_layers)]
     return cfg
-
-
-def block(op: Ops, cfg: ModelConfig, i: int, x):
-    p, attn, eps = f"blk.{i}.", cfg.layers[i], cfg.norm_eps
-    h = op.rmsnorm(x, p + "attn_norm.weight", eps)
-    q, k, v = (op.linear(h, p + f"attn_{n}.weight") for n in "qkv")
-    if attn.rope is not None:
-        q, k = op.rope(q, attn.rope, attn.n_heads), op.rope(k, attn.rope, attn.n_kv_heads)
-    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"))
-
-    h = op.rmsnorm(x, p + "ffn_norm.weight", eps)
-    return op.add(x, op.linear(op.glu(h, p + "ffn_gate.weight", p + "ffn_up.weight", "silu"), p + "ffn_down.weight"))
 
 
 def forward(op: Ops, cfg: ModelConfig):
