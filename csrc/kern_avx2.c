@@ -30,18 +30,7 @@ ALWAYS __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((
 ALWAYS __m256 f16x1(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _mm256_set1_ps(_cvtsh_ss(v)); }
 ALWAYS __m256i ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* MXFP4: nibbles -> kv + 12 (kernels.h) by one byte shuffle per register, and 8 e8m0 block scales. */
-ALWAYS __m256i mxfp4_table(void) {
-    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-}
-/* 2^(e-128) as (2^(e-127), from the exponent bits) / 2, exact down to e = 1 (2^-127, subnormal); e = 0 reads
-   as zero and the maximum makes it 2^-128. */
-ALWAYS __m256 e8m0x8(const uint8_t *h) {
-    __m256 twice = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), 23));
-    return _mm256_max_ps(_mm256_mul_ps(twice, _mm256_set1_ps(0.5f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x00200000)));
-}
-/* 12 * sum32 (KILN_MXFP4_OFFSET) in two shifts and an add, cheaper than a 32-bit multiply. */
-ALWAYS __m256i times12(__m256i v) { return _mm256_add_epi32(_mm256_slli_epi32(v, 3), _mm256_slli_epi32(v, 2)); }
+#include "mxfp4_avx2.h"
 
 /* Unpack one row's group: header h, quants q, nb blocks (chunk stride 4*nb). For a short group
    (nb < 8) the loads run past the row's data into bytes of other rows or the pack slack: lanes

@@ -34,18 +34,7 @@ ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512
 ALWAYS __m512i pair(const uint8_t *q, int c, int cs) {
     return cs == 32 ? ld512(q + 32 * c) : halves(ld256(q + c * cs), ld256(q + (c + 1) * cs));
 }
-/* MXFP4 (kernels.h): nibbles -> kv + 12 by a byte shuffle, and 8 e8m0 block scales. */
-ALWAYS __m256i mxfp4_table(void) {
-    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-}
-/* 2^(e-128) as (2^(e-127), from the exponent bits) / 2, exact down to e = 1 (2^-127, subnormal); e = 0 reads
-   as zero and the maximum makes it 2^-128. */
-ALWAYS __m256 e8m0x8(const uint8_t *h) {
-    __m256 twice = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), 23));
-    return _mm256_max_ps(_mm256_mul_ps(twice, _mm256_set1_ps(0.5f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x00200000)));
-}
-/* 12 * sum32 (KILN_MXFP4_OFFSET) in two shifts and an add, cheaper than a 32-bit multiply. */
-ALWAYS __m256i times12(__m256i v) { return _mm256_add_epi32(_mm256_slli_epi32(v, 3), _mm256_slli_epi32(v, 2)); }
+#include "mxfp4_avx2.h"
 ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
 /* As prep() in kern_avx2.c, including the reads past a short group's data. */
