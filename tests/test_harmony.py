@@ -27,7 +27,7 @@ from kiln.harmony import HarmonyParser
 from kiln.thinking import template_supports_thinking, template_variables, thinking_style
 from kiln.tools import Reasoning, ToolCall
 from tests.scripted import write_scripted_gguf
-from tests.serving import kiln_server
+from tests.serving import store_server
 
 HARMONY_STYLE = (
     "{%- set effort = reasoning_effort if reasoning_effort is defined else 'medium' %}"
@@ -211,14 +211,7 @@ def test_kiln_run_shows_the_reasoning_dimmed_or_hides_it(gpt, capsys):
 # --- through a real server and the official clients --------------------------------------------------
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    from kiln.modelfile import Recipe
-    from kiln.store import Store
-
-    home = tmp_path_factory.mktemp("home")
-    store = Store(home=home)
-    for tag, path in models.items():
-        store.create(tag, Recipe(str(path)), progress=False)
-    with kiln_server(home, "gpt-think", "--parallel", "1", "--ctx-len", "2048") as s:
+    with store_server(tmp_path_factory.mktemp("home"), models, "gpt-think", "--parallel", "1", "--ctx-len", "2048") as s:
         yield s
 
 
