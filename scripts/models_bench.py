@@ -20,8 +20,7 @@ import time
 
 import httpx
 
-TOPICS = ["the sea", "a lighthouse keeper", "volcanoes", "a robot learning to paint", "the history of bread",
-          "why the sky is blue", "a chess match", "migrating birds"]  # scripts/loadtest.py's
+from loadtest import TOPICS  # the script beside this one: the same stories as its load
 
 
 async def complete(client: httpx.AsyncClient, url: str, model: str, max_tokens: int, topic: str = TOPICS[0]) -> int:
