@@ -103,8 +103,20 @@ def spm_vocab(size: int, rng: np.random.Generator) -> tuple[list[str], list[floa
     return tokens, scores, types
 
 
+# Above this many values a tensor is drawn and quantized in runs of rows, in float32: Phi-4-mini's embedding
+# table (615M values) drawn whole in float64 would take 5 GB
+_LARGE = 1 << 28
+
+
 def _tensor(rng, shape, scale):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+    if np.prod(shape) <= _LARGE:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    out = np.empty(shape, np.float32)
+    step = max(1, _LARGE // 16 // int(np.prod(shape[1:])))
+    for r in range(0, shape[0], step):
+        out[r : r + step] = rng.standard_normal((min(step, shape[0] - r), *shape[1:]), dtype=np.float32)
+        out[r : r + step] *= np.float32(scale)
+    return out
 
 
 # Qwen2.5-Coder's fill-in-the-middle tokens, and the metadata keys naming them
@@ -362,5 +374,9 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, data)
     elif qtype == QT.F16:
         writer.add_tensor(name, data.astype(np.float16))
+    elif data.size > _LARGE:
+        step = _LARGE // 16 // data.shape[1]
+        raw = np.concatenate([gguf.quants.quantize(data[r : r + step], qtype) for r in range(0, data.shape[0], step)])
+        writer.add_tensor(name, raw, raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
