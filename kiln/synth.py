@@ -26,6 +26,13 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
+# Phi-3's turn markers (llama.cpp looks <|end|> up by its text in a phi3 vocabulary), and its template
+PHI3_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -182,6 +189,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_chat_template(GEMMA_TEMPLATE)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
+        specials += PHI3_SPECIALS if a == "phi3" else []
         tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
         if fim == "metadata":
             for role, text in FIM_TOKENS.items():
@@ -194,7 +202,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_bos_token_id(0)
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
-        w.add_chat_template(CHATML_TEMPLATE)
+        w.add_chat_template(PHI3_TEMPLATE if a == "phi3" else CHATML_TEMPLATE)
 
     def matrix(name, rows, cols, quant=qtype):
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
