@@ -1,5 +1,6 @@
-/* The matrix ops: MATMUL (W·act, plus a bias, an activation and a residual as it is stored) and GLU
- * (act(Wg·a + bg) * (Wu·a + bu), both projections in one pass over the rows). A chunk is chunk_tiles tiles of the output rows for every
+/* The matrix ops: MATMUL (scale * act(W·act + bias), plus a residual as it is stored: Granite scales its
+ * branches) and GLU (act(Wg·a + bg) * (Wu·a + bu), both projections in one pass over the rows). A chunk is
+ * chunk_tiles tiles of the output rows for every
  * token, computed into the thread's scratch and committed (pool.h). */
 #include "ops.h"
 #include "vecmath.h"
@@ -89,6 +90,7 @@ static void need_rows_out(const kiln_op *op, kiln_bounds *b) {
 }
 
 void kiln_matmul_bounds(const kiln_op *op, kiln_bounds *b) {
+    kiln_need_scale(b, op->scale);
     kiln_need_wmat(b, "w", op->w, op->rows, op->cols);
     if (b->failed) return;
     kiln_need_act(b, op->w_act, op->w, act_rows(op, op->w, b->plan->max_rows));
@@ -111,6 +113,8 @@ static void matmul_compute(void *ctx, int c, int thread) {
     add_bias(op->bias, y, j->n_rows, r0, n);
     if (op->activate)
         for (int t = 0; t < j->n_rows; t++) act_row(op->glu_act, y + (size_t)t * n, n);
+    if (op->scale != 1.0f)
+        for (size_t i = 0; i < (size_t)j->n_rows * n; i++) y[i] *= op->scale;
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;

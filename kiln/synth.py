@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -59,6 +60,9 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-granite": Shape("granite", 64, 2, 4, 2, 16, 128, 512),
+    "tiny-olmo2": Shape("olmo2", 64, 2, 4, 2, 16, 128, 512, tied=False),
+    "tiny-smollm3": Shape("smollm3", 64, 4, 4, 2, 16, 128, 512),  # layer 3 has no rope
     "tiny-phi3": Shape("phi3", 64, 2, 4, 2, 16, 128, 512, rope_dim=12, long_rope=32, fused_qkv=True, tied=False),
     "tiny-phi2": Shape("phi2", 64, 2, 4, 4, 16, 256, 512, rope_dim=8, tied=False,
                        biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")),
@@ -169,6 +173,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         # convert_hf_to_gguf's value for Phi-3: sqrt(1 + ln(scale) / ln(original context))
         scale = shape.context_length / shape.long_rope
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.long_rope))) if scale > 1 else 1.0)
+    family = FAMILY_WRITERS.get(a)
+    if family is not None:
+        family.metadata(w, shape)
     if tokenizer is not None:
         for key, (value, vtype, sub_type) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type)
@@ -187,6 +194,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_add_bos_token(True)
         w.add_add_space_prefix(False)
         w.add_chat_template(GEMMA_TEMPLATE)
+    elif family is not None:
+        family.tokenizer(w, shape, rng)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
         specials += PHI3_SPECIALS if a == "phi3" else []
@@ -218,6 +227,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         return _finish(w, path)
     for i in range(shape.n_layers):
         p = f"blk.{i}."
+        if family is not None and family.layer is not None:
+            family.layer(p, shape, matrix, norm)
+            continue
         norm(p + "attn_norm.weight", shape.dim)
         _qkv(w, shape, rng, p, qtype)
         matrix(p + "attn_output.weight", shape.dim, q_dim)
@@ -388,3 +400,95 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, raw, raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+# ---- families whose files depart from the Llama layout above -------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyWriter:
+    """A family's own metadata keys, vocabulary and chat template, and (None: Llama's) one layer's tensors,
+    written with llama.cpp's key and tensor names."""
+
+    metadata: Callable[[gguf.GGUFWriter, Shape], None]
+    tokenizer: Callable[[gguf.GGUFWriter, Shape, np.random.Generator], None]
+    layer: Callable[[str, Shape, Callable, Callable], None] | None = None
+
+
+def _bpe_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng, specials: list[str], pre: str, bos: int, eos: int,
+                   template: str) -> None:
+    tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    w.add_chat_template(template)
+
+
+# Granite 3.x's multipliers are its muP widths' (Granite-3.3-2B: 12, 0.22, 1/head size, 8)
+GRANITE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- endif %}"
+)
+
+
+def _granite_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_embedding_scale(12.0)
+    w.add_residual_scale(0.22)
+    w.add_attention_scale(1.0 / shape.head_dim)
+    w.add_logit_scale(8.0)
+
+
+def _granite_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"], "refact", 0, 0,
+                   GRANITE_TEMPLATE)
+
+
+OLMO2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _olmo2_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>"], "dbrx", 0, 0,
+                   OLMO2_TEMPLATE)
+
+
+def _olmo2_layer(p: str, shape: Shape, matrix, norm) -> None:
+    """No pre-norms: a norm after each sublayer, and q/k norms as wide as the projections."""
+    q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    matrix(p + "attn_q.weight", q_dim, shape.dim)
+    matrix(p + "attn_k.weight", kv_dim, shape.dim)
+    matrix(p + "attn_v.weight", kv_dim, shape.dim)
+    matrix(p + "attn_output.weight", shape.dim, q_dim)
+    norm(p + "attn_q_norm.weight", q_dim)
+    norm(p + "attn_k_norm.weight", kv_dim)
+    norm(p + "post_attention_norm.weight", shape.dim)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+    norm(p + "post_ffw_norm.weight", shape.dim)
+
+
+SMOLLM3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _smollm3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>"], "smaug-bpe", 0, 2,
+                   SMOLLM3_TEMPLATE)
+
+
+FAMILY_WRITERS: dict[str, FamilyWriter] = {
+    "granite": FamilyWriter(_granite_metadata, _granite_tokenizer),
+    "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
+    "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
+}

@@ -108,14 +108,15 @@ class NumpyOps:
     def activation(self, x, act):
         return ACTIVATIONS[act](x)
 
-    def add(self, a, b):
-        self.hidden.append(a + b)
+    def add(self, a, b, scale=1.0):
+        self.hidden.append(a + b * np.float32(scale) if scale != 1.0 else a + b)
         return self.hidden[-1]
 
-    def logits(self, x, weight, bias=None):
+    def logits(self, x, weight, bias=None, scale=1.0):
         rows = x if self.all_logits else x[-1:]
         self.final = rows
-        return self.linear(rows, weight, bias)
+        out = self.linear(rows, weight, bias)
+        return out * np.float32(scale) if scale != 1.0 else out
 
 
 class OracleEngine:

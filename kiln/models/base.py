@@ -54,7 +54,7 @@ class Attention:
     n_kv_heads: int
     head_dim: int
     scale: float
-    rope: Rope
+    rope: Rope | None  # None: the layer's positions come from the causal mask alone (NoPE)
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
 
 
@@ -91,8 +91,9 @@ class Ops(Protocol):
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
     def glu(self, x: Any, gate: str, up: str, act: str, gate_bias: str | None = None,
             up_bias: str | None = None) -> Any: ...
-    def add(self, a: Any, b: Any) -> Any: ...
-    def logits(self, x: Any, weight: str, bias: str | None = None) -> Any: ...
+    def add(self, a: Any, b: Any, scale: float = 1.0) -> Any: ...  # a + scale * b
+    def logits(self, x: Any, weight: str, bias: str | None = None,
+               scale: float = 1.0) -> Any: ...  # scale * (W · x + bias)
     def layernorm(self, x: Any, weight: str, bias: str, eps: float) -> Any: ...
     def activation(self, x: Any, act: str) -> Any: ...
 

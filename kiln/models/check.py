@@ -154,11 +154,11 @@ class ShapeCheck:
     def activation(self, x, act):
         return x
 
-    def add(self, a, b):
+    def add(self, a, b, scale=1.0):
         self._need(b, self.cfg.dim, "a residual branch")
         return Width(self.cfg.dim)
 
-    def logits(self, x, weight, bias=None):
+    def logits(self, x, weight, bias=None, scale=1.0):
         self._need(x, self.cfg.dim, "the output head's input")
         self._matrix(weight, self.cfg.dim, self.cfg.vocab_size)
         if bias is not None:
