@@ -55,7 +55,10 @@ static void logits_compute(void *ctx, int c, int thread) {
     int n = r1 - r0;
     float *y = scratch(j, thread), *best = y + (size_t)j->n_out * n;
     matmul_rows(op->w, split(op) ? op->act[1] : op->act[op->w_act], j->n_out, y, r0, r1);
-    if (op->scale != 1.0f)
+    if (op->bias) /* before each row's best is taken: the refinement's margins are of the biased logits */
+        for (int t = 0; t < j->n_out; t++)
+            for (int i = 0; i < n; i++) y[(size_t)t * n + i] += op->bias[r0 + i];
+    if (op->scale != 1.0f) /* of the biased product, as the refinement's share is scaled too */
         for (size_t i = 0; i < (size_t)j->n_out * n; i++) y[i] *= op->scale;
     if (!refines(op)) return;
     for (int t = 0; t < j->n_out; t++) {
@@ -243,6 +246,7 @@ void kiln_logits_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need_act(b, 0, op->w, act_rows(op, op->w, O));
     if (op->w2) kiln_need(b, "act[1]", op->act[1], kiln_act_size(op->w->fmt, op->cols, 2 * O)); /* shifted sums */
     kiln_need(b, "out", op->out, sizeof(float) * O * op->rows);
+    if (op->bias) kiln_need(b, "bias", op->bias, sizeof(float) * op->rows);
 }
 
 int64_t kiln_logits_run(kiln_plan *p, job *j) {

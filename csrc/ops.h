@@ -95,6 +95,19 @@ static inline void rmsnorm(const float *x, const float *w, float eps, int n, flo
     for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
 }
 
+/* LayerNorm: the mean subtracted, then RMSNorm's arithmetic on what is left, and the bias added. */
+static inline void layernorm(const float *x, const float *w, const float *b, float eps, int n, float *out) {
+    float lane[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lane[k] += x[i + k];
+    for (; i < n; i++) lane[i & 7] += x[i];
+    float mean = (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) / n;
+    for (int i = 0; i < n; i++) out[i] = x[i] - mean;
+    rmsnorm(out, w, eps, n, out);
+    for (int i = 0; i < n; i++) out[i] += b[i];
+}
+
 /* A precise activation is two int8 rows per token, x ≈ q1·d1 + q2·d2 with the second row quantizing
  * what the first missed: about 15 bits instead of 8, for the matrices whose inputs int8 hurts most.
  * The n tokens' first rows come first, then their n second rows, so a matmul takes them as 2n tokens

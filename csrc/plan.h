@@ -12,15 +12,15 @@
 
 enum {
     OP_EMBED,      /* x[t] = dequant(table row tok[t]) * scale */
-    OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w) for each activation kind needed */
+    OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w, or layernorm(x) * w + b) for each activation kind needed */
     OP_QUANT,      /* act = quantize(x) */
     OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope (or a q/k norm over the whole
                     * projection, then rope); k, v stored into the cache */
     OP_ATTN,       /* out = softmax(q·K / sqrt) · V over each row's slot, causal (+ sliding window) */
-    OP_MATMUL,     /* out = scale * W·act (+ residual) */
-    OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
+    OP_MATMUL,     /* out = scale * [activation](W·act + bias) (+ residual) */
+    OP_GLU,        /* out = act(Wg·a + bg) * (Wu·a + bu) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
-    OP_LOGITS,     /* logits[i] = scale * W·act[row_sel[i]] */
+    OP_LOGITS,     /* logits[i] = scale * (W·act[row_sel[i]] (+ bias)) */
     OP_COUNT
 };
 
@@ -100,6 +100,11 @@ typedef struct kiln_op {
      * normalized, roped and stored */
     int qk_norm_whole;
     float *qk_raw;
+    /* bias (above): MATMUL's, GLU's gate's; bias2: GLU's up's. [rows] each, NULL: none */
+    const float *bias2;
+    const float *norm_b; /* NORM_QUANT with layer_norm: the LayerNorm's bias [cols] */
+    int layer_norm;      /* NORM_QUANT: LayerNorm (the mean subtracted, norm_b added) instead of RMSNorm */
+    int activate;        /* MATMUL: glu_act applied to W·act + bias before the scale and residual (a GELU MLP's up) */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

@@ -405,7 +405,7 @@ class NativeEngine:
 
     def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         if rope not in self.ropes:
-            inv = rope.inv_freq(self.weights.vector)
+            inv = rope.inv_freq(self.weights.vector, self.n_ctx)
             cos, sin = rope_angles(rope, np.arange(self.kv_ctx), inv)
             self.ropes[rope] = (np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32))
         return self.ropes[rope]

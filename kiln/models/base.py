@@ -27,11 +27,22 @@ class Rope:
     neox: bool
     freq_factors: str | None = None  # tensor holding per-frequency divisors (Llama 3 scaling)
     position_scale: float = 1.0  # linear scaling: positions are multiplied by this
+    # LongRoPE (Phi-3): a context longer than `original_context` divides by `long_factors` instead of
+    # `freq_factors` (llama.cpp chooses by the context a sequence is given, not by its current length)
+    long_factors: str | None = None
+    original_context: int = 0
+    attn_factor: float = 1.0  # cos and sin are multiplied by this (LongRoPE's attention factor)
 
-    def inv_freq(self, weights_lookup=None) -> np.ndarray:
+    def factors_for(self, n_ctx: int) -> str | None:
+        if self.long_factors is not None and n_ctx > self.original_context:
+            return self.long_factors
+        return self.freq_factors
+
+    def inv_freq(self, weights_lookup=None, n_ctx: int = 0) -> np.ndarray:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
-        if self.freq_factors is not None:
-            inv = inv / np.asarray(weights_lookup(self.freq_factors), dtype=np.float64)
+        factors = self.factors_for(n_ctx)
+        if factors is not None:
+            inv = inv / np.asarray(weights_lookup(factors), dtype=np.float64)
         return inv
 
 
@@ -78,9 +89,13 @@ class Ops(Protocol):
     def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...
     def rope(self, x: Any, rope: Rope, heads: int) -> Any: ...
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
-    def glu(self, x: Any, gate: str, up: str, act: str) -> Any: ...
+    def glu(self, x: Any, gate: str, up: str, act: str, gate_bias: str | None = None,
+            up_bias: str | None = None) -> Any: ...
     def add(self, a: Any, b: Any, scale: float = 1.0) -> Any: ...  # a + scale * b
-    def logits(self, x: Any, weight: str, scale: float = 1.0) -> Any: ...  # scale * (W · x)
+    def logits(self, x: Any, weight: str, bias: str | None = None,
+               scale: float = 1.0) -> Any: ...  # scale * (W · x + bias)
+    def layernorm(self, x: Any, weight: str, bias: str, eps: float) -> Any: ...
+    def activation(self, x: Any, act: str) -> Any: ...
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -192,7 +207,7 @@ def base_config(m: Meta, **overrides) -> dict:
         ffn_dim=m.integer("feed_forward_length"),
         vocab_size=vocab,
         context_length=m.integer("context_length", hi=MAX_CONTEXT),
-        norm_eps=m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        norm_eps=overrides["norm_eps"] if "norm_eps" in overrides else m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         tied_embeddings="output.weight" not in gguf.tensors,
         name=str(gguf.get("general.name", gguf.path.stem)),
     )
