@@ -489,6 +489,16 @@ static inline E512 emu_sllv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++)
 static inline E512 emu_srlv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++) a.w[i] = c.w[i] > 15 ? 0 : a.w[i] >> c.w[i]; return a; }
 static inline emask64 emu_test_epi8_mask(E512 a, E512 b) { emask64 k = 0; L64 k |= (emask64)((a.b[i] & b.b[i]) != 0) << i; return k; }
 static inline E512 emu_shuffle_epi8(E512 a, E512 idx) { E512 r; L64 r.b[i] = idx.b[i] & 0x80 ? 0 : a.b[(i & ~15) | (idx.b[i] & 15)]; return r; }
+#define L16 for (int i = 0; i < 16; i++)
+static inline E512 emu_add_epi32(E512 a, E512 b) { L16 a.u[i] += b.u[i]; return a; }
+static inline E512 emu_sub_epi32(E512 a, E512 b) { L16 a.u[i] -= b.u[i]; return a; }
+static inline E512 emu_mullo_epi32(E512 a, E512 b) { L16 a.u[i] *= b.u[i]; return a; }
+static inline E512 emu_mul_ps(E512 a, E512 b) { L16 a.f[i] *= b.f[i]; return a; }
+static inline E512 emu_cvtepi32_ps(E512 a) { L16 a.f[i] = (float)a.d[i]; return a; }
+static inline E512 emu_fnmadd_ps(E512 a, E512 b, E512 c) { L16 c.f[i] = fmaf(-a.f[i], b.f[i], c.f[i]); return c; }
+static inline E512 emu_shuffle_i64x2(E512 a, E512 b, int imm) {  /* 128-bit lanes: two of a, then two of b */
+    E512 r; for (int l = 0; l < 4; l++) memcpy(r.b + 16 * l, (l < 2 ? a.b : b.b) + 16 * (imm >> 2 * l & 3), 16); return r;
+}
 """
 
 # What kern_amx.c uses on top: more AVX-512, and the AMX tiles (8 registers of up to 16 rows x 64 bytes, shaped
@@ -496,17 +506,11 @@ static inline E512 emu_shuffle_epi8(E512 a, E512 idx) { E512 r; L64 r.b[i] = idx
 EMUAMX_H = r"""
 #include "emu512.h"
 typedef uint16_t emask16;
-#define L16 for (int i = 0; i < 16; i++)
-static inline E512 emu_add_epi32(E512 a, E512 b) { L16 a.u[i] += b.u[i]; return a; }
-static inline E512 emu_sub_epi32(E512 a, E512 b) { L16 a.u[i] -= b.u[i]; return a; }
-static inline E512 emu_mullo_epi32(E512 a, E512 b) { L16 a.u[i] *= b.u[i]; return a; }
 static inline E512 emu_sub_epi8(E512 a, E512 b) { L64 a.b[i] -= b.b[i]; return a; }
 static inline E512 emu_set1_epi32(int32_t v) { E512 r; L16 r.d[i] = v; return r; }
 static inline E512 emu_set1_epi16(short v) { E512 r; for (int i = 0; i < 32; i++) r.w[i] = (uint16_t)v; return r; }
 static inline E512 emu_set1_ps(float v) { E512 r; L16 r.f[i] = v; return r; }
 static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; }
-static inline E512 emu_mul_ps(E512 a, E512 b) { L16 a.f[i] *= b.f[i]; return a; }
-static inline E512 emu_cvtepi32_ps(E512 a) { L16 a.f[i] = (float)a.d[i]; return a; }
 static inline E512 emu_load_ps(const float *p) { return emu_loadu_ps(p); }
 static inline E512 emu_load_si512(const void *p) { return emu_loadu_si512(p); }
 static inline void emu_storeu_si512(void *p, E512 v) { memcpy(p, &v, 64); }
