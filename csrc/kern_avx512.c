@@ -34,6 +34,7 @@ ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512
 ALWAYS __m512i pair(const uint8_t *q, int c, int cs) {
     return cs == 32 ? ld512(q + 32 * c) : halves(ld256(q + c * cs), ld256(q + (c + 1) * cs));
 }
+#include "mxfp4_avx2.h"
 ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
 /* As prep() in kern_avx2.c, including the reads past a short group's data. */
@@ -48,6 +49,8 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
             p->w[i] = _mm512_and_si512(v, lo4);
             p->w[i + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
+    if (f == KF_MXFP4)
+        for (int i = 0; i < 4; i++) p->w[i] = _mm512_shuffle_epi8(halves(mxfp4_table(), mxfp4_table()), p->w[i]);
     if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> +16 in chunk k */
         __m512i hb = _mm512_broadcast_i64x4(ld256(q + 16 * nb));
         for (int i = 0; i < 4; i++) {
@@ -77,7 +80,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         p->d = f16x1(h);
         break;
     default:
-        p->d = f16x8(h);
+        p->d = f == KF_MXFP4 ? e8m0x8(h) : f16x8(h);
         if (f == KF_Q4_1) p->m = f16x8(h + 2 * nb);
         if (nb < 8) {
             __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -101,6 +104,7 @@ ALWAYS __m256i offset(kiln_wfmt f, __m256i i32, const uint8_t *ag) {
     if (f == KF_Q4_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
     if (f == KF_Q5_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
     if (f == KF_Q8_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+    if (f == KF_MXFP4) return _mm256_sub_epi32(i32, times12(sum32));
     return i32;
 }
 
@@ -116,6 +120,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
         __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
         p->h[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+        if (f == KF_MXFP4) p->h[L] = _mm256_shuffle_epi8(mxfp4_table(), p->h[L]);
         if (f == KF_Q5_0) {
             __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
             hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
@@ -124,7 +129,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
     }
     __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    p->d = _mm256_and_ps(f16x8(h), mask);
+    p->d = _mm256_and_ps(f == KF_MXFP4 ? e8m0x8(h) : f16x8(h), mask);
     if (f == KF_Q4_1) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
 }
 
@@ -175,6 +180,69 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
+/* ---- Several tokens: rows folded in pairs ----
+   A token's 16 dpbusd lanes hold two half-sums per block; folding two rows' sums together leaves one
+   vector of 16 lanes, row r's blocks low and row r+1's high, so the offset, convert, scale and FMA that
+   dot() spends per row and token run once per pair. Each lane sees dot()'s operations in dot()'s order:
+   the same bits. A pair's weights are unpacked once per group and serve every token. Q6_K keeps dot(). */
+ALWAYS __m512 both(__m256 lo, __m256 hi) { return _mm512_castsi512_ps(halves(_mm256_castps_si256(lo), _mm256_castps_si256(hi))); }
+ALWAYS __m512 bcast8(const uint8_t *p) { return _mm512_castsi512_ps(_mm512_broadcast_i64x4(ld256(p))); }
+
+/* (fold(s0), fold(s1)): the low 256 bits of the two, plus the high 256 bits of the two. */
+ALWAYS __m512i fold_pair(__m512i s0, __m512i s1) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+}
+
+ALWAYS __m512i dpsum(const wrow *p, const uint8_t *ag) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], ld512(ag));
+    for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], ld512(ag + 64 * i));
+    return s;
+}
+
+ALWAYS __m512i offset_pair(kiln_wfmt f, __m512i i32, const uint8_t *ag) {
+    __m512i sum32 = _mm512_broadcast_i64x4(ld256(ag + KILN_AG_SUM32));
+    if (f == KF_Q4_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 3));
+    if (f == KF_Q5_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 4));
+    if (f == KF_Q8_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 7));
+    if (f == KF_MXFP4) return _mm512_sub_epi32(i32, _mm512_add_epi32(_mm512_slli_epi32(sum32, 3), _mm512_slli_epi32(sum32, 2)));
+    return i32;
+}
+
+/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1). */
+ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
+    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
+    __m512 pacc[2][TB];
+    for (int g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
+        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        for (int pr = 0; pr < 2; pr++) {
+            wrow w0, w1;
+            prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
+            prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
+            __m512 d = both(w0.d, w1.d), m = _mm512_setzero_ps();
+            __m512i sc = _mm512_setzero_si512();
+            if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m = both(w0.m, w1.m);
+            if (f == KF_Q4_K || f == KF_Q5_K) sc = halves(w0.sc, w1.sc);
+            for (int t = 0; t < n; t++) {
+                const uint8_t *at = ag + t * stride;
+                __m512i i32 = fold_pair(dpsum(&w0, at), dpsum(&w1, at));
+                if (f == KF_Q4_K || f == KF_Q5_K) i32 = _mm512_mullo_epi32(i32, sc);
+                i32 = offset_pair(f, i32, at);
+                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps();
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(d, bcast8(at + KILN_AG_D)), a);
+                if (f == KF_Q4_1) a = _mm512_fmadd_ps(m, bcast8(at + KILN_AG_S), a);
+                if (f == KF_Q4_K || f == KF_Q5_K) a = _mm512_fnmadd_ps(m, bcast8(at + KILN_AG_S), a);
+                pacc[pr][t] = a;
+            }
+        }
+    }
+    for (int pr = 0; pr < 2; pr++)
+        for (int t = 0; t < n; t++) {
+            acc[2 * pr][t] = _mm512_castps512_ps256(pacc[pr][t]);
+            acc[2 * pr + 1][t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pacc[pr][t]), 1));
+        }
+}
+
 /* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -185,7 +253,12 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     if (G == 0) /* else the first group sets them: zeroing the array in memory (rep stos) cost 20% at 8 tokens */
         for (int r = 0; r < 4; r++)
             for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    int G_by_row = G; /* full groups left to the row-by-row loop */
+    if (n > 1 && f != KF_Q6_K && G) {
+        groups_by_pairs(f, tile, G, act, stride, n, acc);
+        G_by_row = 0;
+    }
+    for (int g = 0; g < G_by_row; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
@@ -290,6 +363,7 @@ void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y
     case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_MXFP4: run(KF_MXFP4, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: break;
     }
 }

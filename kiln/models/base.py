@@ -55,19 +55,30 @@ class Rope:
     freq_factors: str | None = None  # tensor holding per-frequency divisors (Llama 3 scaling)
     position_scale: float = 1.0  # linear scaling: positions are multiplied by this
     yarn: Yarn | None = None
+    # LongRoPE (Phi-3): a context longer than `original_context` divides by `long_factors` instead of
+    # `freq_factors` (llama.cpp chooses by the context a sequence is given, not by its current length)
+    long_factors: str | None = None
+    original_context: int = 0
+    attn_factor: float = 1.0  # cos and sin are multiplied by this (LongRoPE's attention factor)
 
-    def inv_freq(self, weights_lookup=None) -> np.ndarray:
+    def factors_for(self, n_ctx: int) -> str | None:
+        if self.long_factors is not None and n_ctx > self.original_context:
+            return self.long_factors
+        return self.freq_factors
+
+    def inv_freq(self, weights_lookup=None, n_ctx: int = 0) -> np.ndarray:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
-        if self.freq_factors is not None:
-            inv = inv / np.asarray(weights_lookup(self.freq_factors), dtype=np.float64)
+        factors = self.factors_for(n_ctx)
+        if factors is not None:
+            inv = inv / np.asarray(weights_lookup(factors), dtype=np.float64)
         if self.yarn is not None:
             inv = self.yarn.mix(inv, self.theta, self.dim)
         return inv
 
     @property
     def magnitude(self) -> float:
-        """What cos and sin are multiplied by (YaRN's attention scaling), 1 otherwise."""
-        return self.yarn.magnitude if self.yarn is not None else 1.0
+        """What cos and sin are multiplied by: YaRN's attention scaling and LongRoPE's attention factor."""
+        return (self.yarn.magnitude if self.yarn is not None else 1.0) * self.attn_factor
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class Attention:
     n_kv_heads: int
     head_dim: int
     scale: float
-    rope: Rope
+    rope: Rope | None  # None: the layer's positions come from the causal mask alone (NoPE)
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none
 
@@ -114,9 +125,13 @@ class Ops(Protocol):
     def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...
     def rope(self, x: Any, rope: Rope, heads: int) -> Any: ...
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
-    def glu(self, x: Any, gate: str, up: str, act: str) -> Any: ...
-    def add(self, a: Any, b: Any) -> Any: ...
-    def logits(self, x: Any, weight: str, softcap: float = 0.0) -> Any: ...
+    def glu(self, x: Any, gate: str, up: str, act: str, gate_bias: str | None = None,
+            up_bias: str | None = None) -> Any: ...
+    def add(self, a: Any, b: Any, scale: float = 1.0) -> Any: ...  # a + scale * b
+    def logits(self, x: Any, weight: str, bias: str | None = None, scale: float = 1.0,
+               softcap: float = 0.0) -> Any: ...  # scale * (W · x + bias), then soft-capped
+    def layernorm(self, x: Any, weight: str, bias: str, eps: float) -> Any: ...
+    def activation(self, x: Any, act: str) -> Any: ...
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -269,7 +284,7 @@ def base_config(m: Meta, **overrides) -> dict:
         ffn_dim=m.integer("feed_forward_length"),
         vocab_size=vocab,
         context_length=m.integer("context_length", hi=MAX_CONTEXT),
-        norm_eps=m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        norm_eps=overrides["norm_eps"] if "norm_eps" in overrides else m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         tied_embeddings="output.weight" not in gguf.tensors,
         name=str(gguf.get("general.name", gguf.path.stem)),
     )

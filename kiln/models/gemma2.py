@@ -70,4 +70,4 @@ def forward(op: Ops, cfg: Gemma2Config):
     x = op.embed("token_embd.weight", scale=math.sqrt(cfg.dim))
     for i in range(cfg.n_layers):
         x = block(op, cfg, i, x)
-    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), "token_embd.weight", cfg.final_softcap)
+    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), "token_embd.weight", softcap=cfg.final_softcap)

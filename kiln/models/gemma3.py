@@ -88,4 +88,4 @@ def forward(op: Ops, cfg: Gemma3Config):
     x = op.embed("token_embd.weight", scale=math.sqrt(cfg.dim))
     for i in range(cfg.n_layers):
         x = block(op, cfg, i, x)
-    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), output_weight(cfg), cfg.final_softcap)
+    return op.logits(op.rmsnorm(x, "output_norm.weight", cfg.norm_eps), output_weight(cfg), softcap=cfg.final_softcap)
