@@ -20,13 +20,14 @@ enum {
     OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
     OP_LOGITS,     /* logits[i] = W·act[row_sel[i]] */
+    OP_SHORTCONV,  /* out = c * conv(b * x) over each row's slot, b, c, x the thirds of in (op_conv.c) */
     OP_COUNT
 };
 
 /* What the tracer files an op's time under (kiln_op.op_class). */
 enum {
     OPC_MATMUL,    /* matrix products: QKV, MATMUL, GLU */
-    OPC_ATTENTION, /* ATTN */
+    OPC_ATTENTION, /* the sequence mixers: ATTN, SHORTCONV */
     OPC_NORM,      /* norms, rope, activations, quantization */
     OPC_HEAD,      /* the final norm and the output head */
     OPC_EMBED,     /* the embedding lookup */
@@ -94,6 +95,11 @@ typedef struct kiln_op {
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
+    /* OP_SHORTCONV: taps [cols][conv_len]; this layer's rings [slots][state_len][cols] of past b * x,
+     * position p at p % state_len */
+    const float *conv_w;
+    float *state;
+    int conv_len, state_len;
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

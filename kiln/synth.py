@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -40,6 +41,8 @@ class Shape:
     context_length: int = 2048
     tied: bool = True
     sliding_window: int = 8
+    attention_layers: tuple[int, ...] = ()  # hybrids (lfm2): the layers that attend; the others convolve
+    conv_length: int = 3
 
 
 SHAPES = {
@@ -48,6 +51,9 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-lfm2": Shape("lfm2", 64, 4, 4, 2, 16, 128, 512, attention_layers=(1, 3)),
+    "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, context_length=128000,
+                       attention_layers=(2, 5, 8, 10, 12, 14)),
 }
 
 
@@ -126,7 +132,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_block_count(shape.n_layers)
     w.add_feed_forward_length(shape.ffn_dim)
     w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
+    family = FAMILY_WRITERS.get(a)
+    if family is not None:
+        family.metadata(w, shape)
+    else:
+        w.add_head_count_kv(shape.n_kv_heads)
     w.add_key_length(shape.head_dim)
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
@@ -176,6 +186,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
     for i in range(shape.n_layers):
         p = f"blk.{i}."
+        if family is not None:
+            family.layer(i, shape, matrix, norm)
+            continue
         norm(p + "attn_norm.weight", shape.dim)
         matrix(p + "attn_q.weight", q_dim, shape.dim)
         matrix(p + "attn_k.weight", kv_dim, shape.dim)
@@ -194,7 +207,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         if a == "gemma3":
             norm(p + "post_attention_norm.weight", shape.dim)
             norm(p + "post_ffw_norm.weight", shape.dim)
-    norm("output_norm.weight", shape.dim)
+    norm(family.output_norm if family is not None else "output_norm.weight", shape.dim)
     if not shape.tied:
         matrix("output.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
     w.write_header_to_file()
@@ -258,3 +271,46 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, data.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+@dataclass(frozen=True)
+class FamilyWriter:
+    """A family whose file differs from the llama layout above: its own metadata keys (the KV head
+    count included), its layers' tensors, and the final norm's name."""
+
+    metadata: Callable  # (writer, shape) -> None
+    layer: Callable  # (layer, shape, matrix(name, rows, cols), norm(name, n)) -> None
+    output_norm: str = "output_norm.weight"
+
+
+def _lfm2_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    kv = [shape.n_kv_heads if i in shape.attention_layers else 0 for i in range(shape.n_layers)]
+    w.add_array(f"{shape.arch}.attention.head_count_kv", kv)
+    w.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.conv_length)
+
+
+def _lfm2_layer(i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
+    p, d = f"blk.{i}.", shape.dim
+    norm(p + "attn_norm.weight", d)
+    if i in shape.attention_layers:
+        q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+        matrix(p + "attn_q.weight", q_dim, d)
+        matrix(p + "attn_k.weight", kv_dim, d)
+        matrix(p + "attn_v.weight", kv_dim, d)
+        matrix(p + "attn_output.weight", d, q_dim)
+        norm(p + "attn_q_norm.weight", shape.head_dim)
+        norm(p + "attn_k_norm.weight", shape.head_dim)
+    else:
+        matrix(p + "shortconv.in_proj.weight", 3 * d, d)
+        # taps near 1/length keep the conv's output the size of its input; float, as llama.cpp's converter keeps it
+        matrix(p + "shortconv.conv.weight", d, shape.conv_length, QT.F32)
+        matrix(p + "shortconv.out_proj.weight", d, d)
+    norm(p + "ffn_norm.weight", d)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_down.weight", d, shape.ffn_dim)
+
+
+FAMILY_WRITERS: dict[str, FamilyWriter] = {
+    "lfm2": FamilyWriter(_lfm2_metadata, _lfm2_layer, output_norm="token_embd_norm.weight"),
+}
