@@ -32,6 +32,9 @@ class ScriptedEngine:
         self.copies.append((src, dst, length))
         self.kv[dst] = self.kv[src][:length]
 
+    def resumable(self, slot, position):
+        return True
+
     def step(self, tokens, slots, positions, out_rows):
         self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),
                            "out_rows": list(out_rows)})

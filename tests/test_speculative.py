@@ -101,6 +101,9 @@ class BigramEngine:
     def step(self, tokens, slots, positions, out_rows):
         return self.table[[tokens[r] for r in out_rows]]
 
+    def resumable(self, slot, position):
+        return True
+
 
 class SkewedDrafter:
     """Drafts from a fixed distribution q that disagrees with the target (it favours the target's least

@@ -49,7 +49,11 @@ class Engine(Protocol):
         """The residual stream after every add, for diagnosis."""
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the KV of positions [0, length) of slot `src` into slot `dst`."""
+        """Copy the KV of positions [0, length) of slot `src` into slot `dst`, and its recurrent state."""
+
+    def resumable(self, slot: int, position: int) -> bool:
+        """Whether the slot can continue at `position` (feed it next): always for a KV cache alone; a
+        recurrent state only from positions it still reaches (kiln/engine/kv.py, StateWindow)."""
 
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose, to show that accuracy checks fail."""

@@ -372,13 +372,19 @@ class Scheduler:
             return
         prompt = seq.prompt_ids
         longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
+
+        def reusable(slot: int, held: list[int]) -> int:
+            # a recurrent state continues only from positions it still reaches; else the prompt starts over
+            n = min(common_prefix(held, prompt), longest)
+            return n if self.engine.resumable(slot, n) else 0
+
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
-        slot = max(self.free, key=lambda s: (common_prefix(self.slot_tokens[s], prompt), -self.slot_used[s]))
-        cached = min(common_prefix(self.slot_tokens[slot], prompt), longest)
+        slot = max(self.free, key=lambda s: (reusable(s, self.slot_tokens[s]), -self.slot_used[s]))
+        cached = reusable(slot, self.slot_tokens[slot])
         # A busy slot may hold more of it (clients that send the same system prompt at once): then that
         # prefix's KV is copied into the least recently used free slot, for a fraction of a prefill's cost.
-        shared, source = max(((min(common_prefix(r.seq.all_ids[: r.fed], prompt), longest), r.seq.slot)
-                              for r in self.running), default=(0, None))
+        shared, source = max(((reusable(r.seq.slot, r.seq.all_ids[: r.fed]), r.seq.slot) for r in self.running),
+                             default=(0, None))
         if shared > cached:
             slot = min(self.free, key=lambda s: self.slot_used[s])
             self.engine.copy_slot(source, slot, shared)

@@ -267,6 +267,8 @@ class ModelDrafter:
             if k <= 0:
                 continue
             fed = min(common_prefix(self.slot_tokens[seq.slot], ids), len(ids) - 1)
+            if not self.engine.resumable(seq.slot, fed):  # a hybrid draft's state no longer reaches back there
+                fed = 0
             self.slot_tokens[seq.slot] = ids[:fed]  # until the passes below succeed
             tokens += ids[fed:]
             slots += [seq.slot] * (len(ids) - fed)
