@@ -224,3 +224,27 @@ def test_kiln_run_answers_with_lfm2_on_the_native_engine(f32_path, capsys):
         assert "(8 tokens)" in captured.err
         answers.append(captured.out)
     assert answers[0] == answers[1]
+
+
+def test_memory_fit_and_trace_count_the_recurrent_state(f32_path, tmp_path, monkeypatch):
+    import math
+
+    from kiln import trace
+    from kiln import validate as V
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    fp = V.footprint(str(f32_path), 128, n_slots=2)
+    model = load(str(f32_path), backend="native", n_ctx=128, n_slots=2, threads=2, progress=False)
+    e = model.engine
+    ring = e.limits.rows + 3 - 1  # a step's rows behind the furthest position, and the taps before it
+    assert e.state_bytes_per_slot == 2 * ring * 64 * 4 and e.state_arena.nbytes == 2 * e.state_bytes_per_slot
+    assert e.kv_arena.nbytes == 2 * 2 * 2 * 2 * 128 * 2 * 16  # fp16 K and V of the 2 attention layers only
+    huge = 2 ** 21
+    assert fp["state_bytes"] == math.ceil(e.state_arena.nbytes / huge) * huge
+    assert fp["kv_bytes"] == math.ceil(e.kv_arena.nbytes / huge) * huge
+    assert fp["total_bytes"] == fp["weights_bytes"] + fp["kv_bytes"] + fp["state_bytes"] + fp["working_bytes_estimate"]
+    # per decode token: two convolutions read their two earlier inputs and write their own
+    assert trace.state_bytes(e.decode_plan) == (2 * 2 * 64 * 4, 2 * 64 * 4)
+    figures = trace.dispatch_figures(e)
+    assert figures["state_read_bytes"] == 2 * 2 * 64 * 4 and figures["state_write_bytes"] == 2 * 64 * 4
+    model.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.errors import ContextLengthError
+from kiln.models.base import ModelConfig, ShortConv
 
 
 def check_span(start: int, count: int, n_ctx: int) -> None:
@@ -102,3 +103,13 @@ class ConvState:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rings.values())
+
+
+def recurrent_state_bytes(cfg: ModelConfig, n_slots: int, window: int) -> int:
+    """What the convolution layers' rings hold for `n_slots` slots (float32; see StateWindow): fixed, whatever
+    the context."""
+    convs = [layer for layer in cfg.layers if isinstance(layer, ShortConv)]
+    if not convs:
+        return 0
+    ring = window + max(c.length for c in convs) - 1
+    return 4 * n_slots * ring * sum(c.width for c in convs)

@@ -22,7 +22,7 @@ from gguf import quants as gguf_quants
 from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.interface import Limits
-from kiln.engine.kv import StateWindow, check_span
+from kiln.engine.kv import StateWindow, check_span, recurrent_state_bytes
 from kiln.engine.oracle import rope_angles
 from kiln.engine.repack_cache import RepackCache
 from kiln.errors import KilnError, RequestError
@@ -415,7 +415,7 @@ class NativeEngine:
         self.state_positions = StateWindow(n_slots, max(c.length for c in convs.values()), window)
         ring = self.state_positions.ring
         sizes = {i: n_slots * ring * c.width for i, c in convs.items()}
-        self.state_arena = _native.Arena(4 * sum(sizes.values()))
+        self.state_arena = _native.Arena(recurrent_state_bytes(self.config, n_slots, window))
         whole, at = np.frombuffer(self.state_arena, dtype=np.float32), 0
         for i, size in sizes.items():
             self._state[i] = whole[at : at + size].reshape(n_slots, -1)
