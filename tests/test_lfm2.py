@@ -16,7 +16,7 @@ from kiln.engine.sampler import SamplingParams
 from kiln.engine.scheduler import Embedded, Request, Scheduler
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import LookupDrafter, ModelDrafter, Speculation
-from kiln.errors import ModelFileError
+from kiln.errors import KilnError, ModelFileError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.models.base import Attention, ShortConv
@@ -118,43 +118,61 @@ def test_a_rewound_slot_continues_within_its_window_and_refuses_beyond(f32_path)
     native.forward(IDS)
     again = native.forward(IDS[30:], 0, 30)  # rewound by 10: the state still reaches back there
     assert rel_err(again, engines(f32_path)[0].forward(IDS)) < 1e-5
-    assert native.resumable(0, len(IDS) - window) and not native.resumable(0, len(IDS) - window - 1)
-    assert native.resumable(0, 0) and not native.resumable(0, len(IDS) + 1)
+    assert native.resume_point(0, len(IDS) - window) == len(IDS) - window
+    assert native.resume_point(0, len(IDS) - window - 1) == 0  # no snapshot: it starts over
+    with pytest.raises(KilnError, match="cannot continue at position 3"):
+        native.forward(IDS[3:6], 0, 3)
+    native.snapshot(0, len(IDS) - 2)  # what the scheduler keeps at a prompt's end
+    native.forward(IDS[38:] + [1] * 30, 0, 38)  # runs on past the window
+    assert native.resume_point(0, 39) == 38  # the snapshot is the furthest point it still reaches before 39
+    again = native.forward(IDS[38:], 0, 38)
+    assert rel_err(again, engines(f32_path)[0].forward(IDS)) < 1e-5
 
 
 def greedy(tokens, n):
     return Sequence(list(tokens), SamplingParams.greedy(), Letters(), n)
 
 
-def serve(engine, seqs, n_slots=2, start_after=None):
-    s = Scheduler(engine, n_slots=n_slots, max_queue=8)
+def serve(engine, seqs):
+    s = Scheduler(engine, n_slots=engine.n_slots, max_queue=8)
     for seq in seqs:
         s.submit(Request(seq, lambda event: None))
     run_steps(s)
     return s
 
 
-def test_second_turn_resumes_from_the_first(f32_path):
-    native = engines(f32_path, n_slots=2, prefill_rows=16, max_batch=4)[0]
+def answer_alone(f32_path, prompt, n):
+    """What a fresh engine answers: every prompt token prefilled."""
+    seq = greedy(prompt, n)
+    serve(engines(f32_path, prefill_rows=16, max_batch=4)[0], [seq])
+    assert seq.timings.cached_tokens == 0
+    return seq.output_ids
+
+
+def test_later_turns_resume_from_the_state_or_the_prompts_snapshot(f32_path):
+    native = engines(f32_path, prefill_rows=16, max_batch=4)[0]
     s = Scheduler(native, n_slots=1, max_queue=4)
-    first = greedy(IDS[:20], 8)
-    s.submit(Request(first, lambda event: None))
-    run_steps(s)
-    follow = first.prompt_ids + first.output_ids + [33, 44, 55]
-    second = greedy(follow, 8)
-    s.submit(Request(second, lambda event: None))
-    run_steps(s)
-    assert second.timings.cached_tokens == 20 + 8 - 1  # all the slot held: the last sampled token never was fed
-    fresh = greedy(follow, 8)
-    serve(engines(f32_path, prefill_rows=16, max_batch=4)[0], [fresh])
-    assert fresh.timings.cached_tokens == 0 and second.output_ids == fresh.output_ids
-    # a turn that shares less than the state still reaches starts over, with the same answer
-    third = greedy(IDS[:3] + [1] * 30, 4)
-    s.submit(Request(third, lambda event: None))
-    run_steps(s)
-    alone = greedy(IDS[:3] + [1] * 30, 4)
-    serve(engines(f32_path, prefill_rows=16, max_batch=4)[0], [alone])
-    assert third.timings.cached_tokens == 0 and third.output_ids == alone.output_ids
+
+    def turn(prompt, n):
+        seq = greedy(prompt, n)
+        s.submit(Request(seq, lambda event: None))
+        run_steps(s)
+        return seq
+
+    first = turn(IDS[:20], 24)
+    # a turn that extends the first prompt but not its reply: the reply ran past the window, so the rings no
+    # longer reach back to the prompt's end, and it resumes from the snapshot kept there
+    assert native.state_positions.window < 24
+    branch = turn(IDS[:20] + [7, 8, 9], 8)
+    assert branch.timings.cached_tokens == 20 and branch.output_ids == answer_alone(f32_path, branch.prompt_ids, 8)
+    # a turn that extends all the slot holds continues from the rings (the last sampled token never was fed)
+    follow = turn(branch.prompt_ids + branch.output_ids + [33, 44, 55], 8)
+    assert follow.timings.cached_tokens == 23 + 8 - 1
+    assert follow.output_ids == answer_alone(f32_path, follow.prompt_ids, 8)
+    # one that shares less than either reaches starts over, with the same answer
+    third = turn(IDS[:3] + [1] * 30, 4)
+    assert third.timings.cached_tokens == 0 and third.output_ids == answer_alone(f32_path, third.prompt_ids, 4)
+    assert first.output_ids == answer_alone(f32_path, IDS[:20], 24)
 
 
 def test_a_running_requests_prefix_is_copied(f32_path):
@@ -170,9 +188,7 @@ def test_a_running_requests_prefix_is_copied(f32_path):
     s.submit(Request(b, lambda event: None))
     run_steps(s)
     assert copies == [(0, 1, 12)] and b.timings.cached_tokens == 12
-    alone = greedy(IDS[:12] + [3], 6)
-    serve(engines(f32_path, prefill_rows=16, max_batch=4)[0], [alone])
-    assert b.output_ids == alone.output_ids
+    assert b.output_ids == answer_alone(f32_path, b.prompt_ids, 6)
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,11 @@ class ScriptedEngine:
         self.copies.append((src, dst, length))
         self.kv[dst] = self.kv[src][:length]
 
-    def resumable(self, slot, position):
-        return True
+    def resume_point(self, slot, position):
+        return position
+
+    def snapshot(self, slot, position):
+        pass
 
     def step(self, tokens, slots, positions, out_rows):
         self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),

@@ -101,8 +101,11 @@ class BigramEngine:
     def step(self, tokens, slots, positions, out_rows):
         return self.table[[tokens[r] for r in out_rows]]
 
-    def resumable(self, slot, position):
-        return True
+    def resume_point(self, slot, position):
+        return position
+
+    def snapshot(self, slot, position):
+        pass
 
 
 class SkewedDrafter:

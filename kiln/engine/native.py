@@ -401,7 +401,7 @@ class NativeEngine:
         plan.inputs["positions"][:n] = range(start, start + n)
         plan.inputs["row_sel"][:1] = n - 1
         if self.state_positions is not None:
-            self.state_positions.note([slot] * n, range(start, start + n))
+            self.state_positions.advance([slot] * n, range(start, start + n), self._restore)
         plan.plan.run(n, 1)
         return [r[:n].copy() for r in plan.residuals]
 
@@ -409,7 +409,7 @@ class NativeEngine:
         """Each convolution layer's rings, float32 [slots][ring][width], preallocated with the slots: a
         rewind of up to a step's rows (`window`) stays within them (kiln/engine/kv.py, StateWindow)."""
         convs = {i: c for i, c in enumerate(self.config.layers) if isinstance(c, ShortConv)}
-        self.state_arena, self._state, self.state_positions = None, {}, None
+        self.state_arena, self._state, self._snapshots, self.state_positions = None, {}, {}, None
         if not convs:
             return
         self.state_positions = StateWindow(n_slots, max(c.length for c in convs.values()), window)
@@ -420,6 +420,23 @@ class NativeEngine:
         for i, size in sizes.items():
             self._state[i] = whole[at : at + size].reshape(n_slots, -1)
             at += size
+        # each slot's snapshot: the inputs before one position (kiln/engine/kv.py, StateWindow)
+        self._snapshots = {i: np.zeros((n_slots, c.length - 1, c.width), np.float32) for i, c in convs.items()}
+
+    def _rings(self, layer: int) -> np.ndarray:
+        return self._state[layer].reshape(self.n_slots, self.state_positions.ring, -1)
+
+    def _restore(self, slot: int, position: int) -> None:
+        rows = self.state_positions.positions_before(position)
+        for i, snap in self._snapshots.items():
+            self._rings(i)[slot, rows] = snap[slot, : len(rows)]
+
+    def snapshot(self, slot: int, position: int) -> None:
+        """Keep the state before `position` aside, so the slot can continue there however far it runs on."""
+        if self.state_positions is not None and self.state_positions.take_snapshot(slot, position):
+            rows = self.state_positions.positions_before(position)
+            for i, snap in self._snapshots.items():
+                snap[slot, : len(rows)] = self._rings(i)[slot, rows]
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -463,7 +480,7 @@ class NativeEngine:
         inp["positions"][:n] = positions
         inp["row_sel"][:n_out] = out_rows
         if self.state_positions is not None:
-            self.state_positions.note(slots, positions)
+            self.state_positions.advance(slots, positions, self._restore)
         native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
         self._last_plan = plan
@@ -502,14 +519,15 @@ class NativeEngine:
         kv = self._kv.reshape(len(self.kv_index), 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
         n = -(-length // 8) * 8 * cfg.head_dim
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
-        for rings in self._state.values():
-            rings[dst] = rings[src]
+        for rings, snap in zip(self._state.values(), self._snapshots.values()):
+            rings[dst], snap[dst] = rings[src], snap[src]
         if self.state_positions is not None:
             self.state_positions.copy(src, dst)
 
-    def resumable(self, slot: int, position: int) -> bool:
-        """Whether the slot's recurrent state can continue at `position` (always, without one)."""
-        return self.state_positions is None or self.state_positions.resumable(slot, position)
+    def resume_point(self, slot: int, position: int) -> int:
+        """The furthest position at or before `position` the slot can continue from (itself, without a
+        recurrent state)."""
+        return position if self.state_positions is None else self.state_positions.resume_point(slot, position)
 
     def close(self) -> None:
         self.decode_plan = self.prefill_plan = None

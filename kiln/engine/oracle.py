@@ -155,9 +155,9 @@ class OracleEngine:
         tokens = np.asarray(tokens, dtype=np.int64)
         check_span(start, len(tokens), self.n_ctx)
         ops = NumpyOps(self, tokens, slot, start, all_logits)
-        logits = self.forward_fn(ops, self.config)
         if self.conv is not None:
-            self.conv.positions.note([slot] * len(tokens), ops.positions)
+            self.conv.positions.advance([slot] * len(tokens), ops.positions, self.conv.restore)
+        logits = self.forward_fn(ops, self.config)
         self.last_hidden, self.last_final = ops.hidden, ops.final
         return logits if all_logits else logits[0]
 
@@ -199,8 +199,12 @@ class OracleEngine:
         if self.conv is not None:
             self.conv.copy(src, dst)
 
-    def resumable(self, slot: int, position: int) -> bool:
-        return self.conv is None or self.conv.positions.resumable(slot, position)
+    def resume_point(self, slot: int, position: int) -> int:
+        return position if self.conv is None else self.conv.positions.resume_point(slot, position)
+
+    def snapshot(self, slot: int, position: int) -> None:
+        if self.conv is not None:
+            self.conv.snapshot(slot, position)
 
     def close(self) -> None:
         self._weights.clear()

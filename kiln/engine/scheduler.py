@@ -304,6 +304,8 @@ class Scheduler:
     def _sample(self, batch: Batch, logits: np.ndarray) -> None:
         for req, n in batch.fed:
             req.fed += n
+            if req.fed == len(req.seq.prompt_ids) and n:  # the next turn may continue from the prompt's end
+                self.engine.snapshot(req.seq.slot, req.fed)
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
         spans = batch.out_spans()
@@ -374,9 +376,8 @@ class Scheduler:
         longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
 
         def reusable(slot: int, held: list[int]) -> int:
-            # a recurrent state continues only from positions it still reaches; else the prompt starts over
-            n = min(common_prefix(held, prompt), longest)
-            return n if self.engine.resumable(slot, n) else 0
+            # a recurrent state continues only from positions it still reaches, or its snapshot
+            return self.engine.resume_point(slot, min(common_prefix(held, prompt), longest))
 
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
         slot = max(self.free, key=lambda s: (reusable(s, self.slot_tokens[s]), -self.slot_used[s]))
