@@ -302,7 +302,7 @@ def _lfm2_layer(i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
         norm(p + "attn_k_norm.weight", shape.head_dim)
     else:
         matrix(p + "shortconv.in_proj.weight", 3 * d, d)
-        # taps near 1/length keep the conv's output the size of its input; float, as llama.cpp's converter keeps it
+        # float: its rows of l_cache taps are far shorter than a quantization block, as in llama.cpp's files
         matrix(p + "shortconv.conv.weight", d, shape.conv_length, QT.F32)
         matrix(p + "shortconv.out_proj.weight", d, d)
     norm(p + "ffn_norm.weight", d)
