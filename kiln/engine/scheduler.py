@@ -17,7 +17,9 @@ tokens share the longest prefix with its prompt (chat clients and agents resend 
 prefills only the rest; the last prompt token is always recomputed, since its logits are needed. When a
 running request's slot shares more of the prompt (a system prompt that many clients send), that prefix's
 KV is copied into the new request's slot instead. Rejected draft tokens leave KV behind them, which a
-slot never counts as held (later passes overwrite it).
+slot never counts as held (later passes overwrite it). A hybrid's recurrent state reaches back only so far
+(kiln/engine/kv.py, StateWindow): a prefix is reused from where `engine.resume_point` says the slot can
+continue, the snapshot kept at each prompt's end included, and otherwise the prompt starts over.
 
 Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
