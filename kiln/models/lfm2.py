@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.gguf import is_int
-from kiln.models.base import (Attention, Meta, ModelConfig, Ops, Rope, ShortConv, base_config, check_rope,
-                              output_weight, rope_scale)
+from kiln.models.base import (MAX_LAYERS, Attention, Meta, ModelConfig, Ops, Rope, ShortConv, base_config,
+                              check_rope, output_weight, rope_scale)
 
 MAX_CONV_LENGTH = 64  # taps; LFM2's are 3
 
@@ -48,7 +48,7 @@ def _kv_heads_per_layer(m: Meta, n_layers: int, n_heads: int) -> list[int]:
 
 
 def config_from_gguf(m: Meta) -> Lfm2Config:
-    n_layers = m.integer("block_count", hi=512)
+    n_layers = m.integer("block_count", hi=MAX_LAYERS)
     n_heads = m.integer("attention.head_count")
     per_layer = _kv_heads_per_layer(m, n_layers, n_heads)
     n_kv = max(per_layer) or n_heads
