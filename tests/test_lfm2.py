@@ -94,6 +94,14 @@ def test_float_model_matches_oracle_in_chunks_and_decode(f32_path, isa):
         assert rel_err(native.forward([t], 0, 40 + i), oracle.forward([t], 0, 40 + i)) < 1e-4
 
 
+def test_hidden_states_match_the_oracle_layer_by_layer(f32_path):
+    native, oracle = engines(f32_path)
+    got, want = native.hidden_states(IDS[:24]), oracle.hidden_states(IDS[:24])
+    assert len(got) == len(want) == 2 * 4
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
 def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     path = write_random_gguf(tmp_path / "q.gguf", "tiny-lfm2", qtype=qtype, seed=4)
