@@ -1,4 +1,4 @@
-/* The matrix ops: MATMUL (W·act, plus a residual as it is stored) and GLU (act(Wg·a) * (Wu·a), both
+/* The matrix ops: MATMUL (scale * W·act, plus a residual as it is stored: Granite scales its branches) and GLU (act(Wg·a) * (Wu·a), both
  * projections in one pass over the rows). A chunk is chunk_tiles tiles of the output rows for every
  * token, computed into the thread's scratch and committed (pool.h). */
 #include "ops.h"
@@ -54,6 +54,7 @@ static void need_rows_out(const kiln_op *op, kiln_bounds *b) {
 }
 
 void kiln_matmul_bounds(const kiln_op *op, kiln_bounds *b) {
+    kiln_need_scale(b, op->scale);
     kiln_need_wmat(b, "w", op->w, op->rows, op->cols);
     if (b->failed) return;
     kiln_need_act(b, op->w_act, op->w, act_rows(op, op->w, b->plan->max_rows));
@@ -70,6 +71,8 @@ static void matmul_compute(void *ctx, int c, int thread) {
     float *y = scratch(j, thread);
     matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_rows), y, r0, r1);
     fold_pairs(op, op->w, y, j->n_rows, n, n);
+    if (op->scale != 1.0f)
+        for (size_t i = 0; i < (size_t)j->n_rows * n; i++) y[i] *= op->scale;
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;

@@ -46,6 +46,8 @@ void kiln_need(kiln_bounds *b, const char *field, const void *ptr, size_t bytes)
 void kiln_need_wmat(kiln_bounds *b, const char *field, const kiln_wmat *w, int rows, int cols);
 /* act[k] holds n_tok rows of the layout `w` consumes */
 void kiln_need_act(kiln_bounds *b, int k, const kiln_wmat *w, int n_tok);
+/* a product's scale is finite and not 0 (an op laid out without one) */
+void kiln_need_scale(kiln_bounds *b, float scale);
 /* a shape the op cannot run (printf-style reason); returns 0 so a family can stop there */
 int kiln_bounds_fail(kiln_bounds *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -14,12 +14,13 @@ enum {
     OP_EMBED,      /* x[t] = dequant(table row tok[t]) * scale */
     OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w) for each activation kind needed */
     OP_QUANT,      /* act = quantize(x) */
-    OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope; k, v stored into the cache */
+    OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope (or a q/k norm over the whole
+                    * projection, then rope); k, v stored into the cache */
     OP_ATTN,       /* out = softmax(q·K / sqrt) · V over each row's slot, causal (+ sliding window) */
-    OP_MATMUL,     /* out = W·act (+ residual) */
+    OP_MATMUL,     /* out = scale * W·act (+ residual) */
     OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
-    OP_LOGITS,     /* logits[i] = W·act[row_sel[i]] */
+    OP_LOGITS,     /* logits[i] = scale * W·act[row_sel[i]] */
     OP_SHORTCONV,  /* out = c * conv(b * x) over each row's slot, b, c, x the thirds of in (op_conv.c) */
     OP_COUNT
 };
@@ -47,7 +48,7 @@ typedef struct {
 } kiln_norm;
 
 typedef struct {
-    const float *cos, *sin; /* [n_ctx][dim/2] */
+    const float *cos, *sin; /* [n_ctx][dim/2]; NULL with dim 0: a layer without rope */
     int dim, neox;
 } kiln_rope;
 
@@ -62,7 +63,7 @@ typedef struct kiln_op {
     /* norms */
     const float *norm_w;
     float eps;
-    float scale;
+    float scale; /* EMBED: of the rows; ATTN: of the scores; MATMUL, LOGITS: of the product */
     int select_rows; /* OP_NORM_QUANT: only the rows listed in row_sel (the final norm before logits) */
     /* activation buffers by kind: act[k] is quantized with act_fmt[k] */
     int n_act;
@@ -95,6 +96,11 @@ typedef struct kiln_op {
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
+    /* OP_QKV: qnorm and knorm span each row's whole q and k projections (OLMo2), not a head: the chunks
+     * leave the raw q and k rows in qk_raw ([rows][(n_heads + n_kv_heads) * head_dim]), then each row is
+     * normalized, roped and stored */
+    int qk_norm_whole;
+    float *qk_raw;
     /* OP_SHORTCONV: taps [cols][conv_len]; this layer's rings [slots][state_len][cols] of past b * x,
      * position p at p % state_len */
     const float *conv_w;

@@ -26,7 +26,7 @@ from kiln.errors import ModelFileError, UnsupportedModelError
 QT = GGMLQuantizationType
 
 # Tensor types kiln runs. These have a repacked kernel format in the native core:
-KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4)
 # Types the `gguf` package dequantizes but kiln has no kernel for: the native engine runs their values
 # requantized to Q8_0 at load (twice or more the memory of the original, and as much slower to decode),
 # except those a kernel type holds exactly (EXACT_REWRITES), whose blocks are rewritten into it.

@@ -51,6 +51,9 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-granite": Shape("granite", 64, 2, 4, 2, 16, 128, 512),
+    "tiny-olmo2": Shape("olmo2", 64, 2, 4, 2, 16, 128, 512, tied=False),
+    "tiny-smollm3": Shape("smollm3", 64, 4, 4, 2, 16, 128, 512),  # layer 3 has no rope
     "tiny-lfm2": Shape("lfm2", 64, 4, 4, 2, 16, 128, 512, attention_layers=(1, 3)),
     "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, context_length=128000,
                        attention_layers=(2, 5, 8, 10, 12, 14)),
@@ -133,14 +136,16 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_feed_forward_length(shape.ffn_dim)
     w.add_head_count(shape.n_heads)
     family = FAMILY_WRITERS.get(a)
-    if family is not None:
-        family.metadata(w, shape)
+    if family is not None and family.head_count_kv is not None:
+        w.add_array(f"{a}.attention.head_count_kv", family.head_count_kv(shape))
     else:
         w.add_head_count_kv(shape.n_kv_heads)
     w.add_key_length(shape.head_dim)
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+    if family is not None:
+        family.metadata(w, shape)
     if tokenizer is not None:
         for key, (value, vtype, sub_type) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type)
@@ -159,6 +164,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_add_bos_token(True)
         w.add_add_space_prefix(False)
         w.add_chat_template(GEMMA_TEMPLATE)
+    elif family is not None and family.tokenizer is not None:
+        family.tokenizer(w, shape, rng)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
         tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
@@ -186,8 +193,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
     for i in range(shape.n_layers):
         p = f"blk.{i}."
-        if family is not None:
-            family.layer(i, shape, matrix, norm)
+        if family is not None and family.layer is not None:
+            family.layer(p, i, shape, matrix, norm)
             continue
         norm(p + "attn_norm.weight", shape.dim)
         matrix(p + "attn_q.weight", q_dim, shape.dim)
@@ -273,24 +280,106 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
 
+# ---- families whose files depart from the Llama layout above -------------------------------------------
+
+
 @dataclass(frozen=True)
 class FamilyWriter:
-    """A family whose file differs from the llama layout above: its own metadata keys (the KV head
-    count included), its layers' tensors, and the final norm's name."""
+    """A family's own metadata keys, vocabulary and chat template (None: the byte-level one above), one
+    layer's tensors (None: Llama's; called with the layer's prefix and index), the per-layer KV head counts
+    that replace the scalar (None: the scalar), and the final norm's name, written with llama.cpp's key and
+    tensor names."""
 
-    metadata: Callable  # (writer, shape) -> None
-    layer: Callable  # (layer, shape, matrix(name, rows, cols), norm(name, n)) -> None
+    metadata: Callable[[gguf.GGUFWriter, Shape], None]
+    tokenizer: Callable[[gguf.GGUFWriter, Shape, np.random.Generator], None] | None
+    layer: Callable[[str, int, Shape, Callable, Callable], None] | None = None
+    head_count_kv: Callable[[Shape], list[int]] | None = None
     output_norm: str = "output_norm.weight"
 
 
+def _bpe_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng, specials: list[str], pre: str, bos: int, eos: int,
+                   template: str) -> None:
+    tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    w.add_chat_template(template)
+
+
+# Granite 3.x's multipliers are its muP widths' (Granite-3.3-2B: 12, 0.22, 1/head size, 8)
+GRANITE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- endif %}"
+)
+
+
+def _granite_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_embedding_scale(12.0)
+    w.add_residual_scale(0.22)
+    w.add_attention_scale(1.0 / shape.head_dim)
+    w.add_logit_scale(8.0)
+
+
+def _granite_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"], "refact", 0, 0,
+                   GRANITE_TEMPLATE)
+
+
+OLMO2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _olmo2_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>"], "dbrx", 0, 0,
+                   OLMO2_TEMPLATE)
+
+
+def _olmo2_layer(p: str, i: int, shape: Shape, matrix, norm) -> None:
+    """No pre-norms: a norm after each sublayer, and q/k norms as wide as the projections."""
+    q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    matrix(p + "attn_q.weight", q_dim, shape.dim)
+    matrix(p + "attn_k.weight", kv_dim, shape.dim)
+    matrix(p + "attn_v.weight", kv_dim, shape.dim)
+    matrix(p + "attn_output.weight", shape.dim, q_dim)
+    norm(p + "attn_q_norm.weight", q_dim)
+    norm(p + "attn_k_norm.weight", kv_dim)
+    norm(p + "post_attention_norm.weight", shape.dim)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+    norm(p + "post_ffw_norm.weight", shape.dim)
+
+
+SMOLLM3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _smollm3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>"], "smaug-bpe", 0, 2,
+                   SMOLLM3_TEMPLATE)
+
+
 def _lfm2_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
-    kv = [shape.n_kv_heads if i in shape.attention_layers else 0 for i in range(shape.n_layers)]
-    w.add_array(f"{shape.arch}.attention.head_count_kv", kv)
     w.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.conv_length)
 
 
-def _lfm2_layer(i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
-    p, d = f"blk.{i}.", shape.dim
+def _lfm2_head_count_kv(shape: Shape) -> list[int]:
+    """Only the attention layers have KV heads; the convolutions' entries are 0."""
+    return [shape.n_kv_heads if i in shape.attention_layers else 0 for i in range(shape.n_layers)]
+
+
+def _lfm2_layer(p: str, i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
+    d = shape.dim
     norm(p + "attn_norm.weight", d)
     if i in shape.attention_layers:
         q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
@@ -312,5 +401,8 @@ def _lfm2_layer(i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
 
 
 FAMILY_WRITERS: dict[str, FamilyWriter] = {
-    "lfm2": FamilyWriter(_lfm2_metadata, _lfm2_layer, output_norm="token_embd_norm.weight"),
+    "granite": FamilyWriter(_granite_metadata, _granite_tokenizer),
+    "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
+    "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
+    "lfm2": FamilyWriter(_lfm2_metadata, None, _lfm2_layer, _lfm2_head_count_kv, "token_embd_norm.weight"),
 }

@@ -32,6 +32,9 @@ SEEDS = {
     "qwen3": dict(shape="tiny-qwen3", qtype="Q4_0", vocab_size=320, head_dim=32),
     "gemma3": dict(shape="tiny-gemma3", qtype="Q8_0", vocab_size=320, head_dim=32),
     "lfm2": dict(shape="tiny-lfm2", qtype="Q8_0", vocab_size=320),
+    "granite": dict(shape="tiny-granite", qtype="Q4_0", vocab_size=320),
+    "olmo2": dict(shape="tiny-olmo2", qtype="Q8_0", vocab_size=320),
+    "smollm3": dict(shape="tiny-smollm3", qtype="F16", vocab_size=320),
 }
 
 

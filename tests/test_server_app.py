@@ -196,7 +196,8 @@ def test_a_swap_waits_for_busy_requests_only_so_long(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rt, "SWAP_WAIT_S", 0.2)
     runtime = rt.Runtime(Settings(), Store(home=tmp_path))
-    runtime.loaded = rt.Loaded(model=None, scheduler=None, record=SimpleNamespace(tag="busy:latest"), active=1)
+    busy = runtime.models["busy:latest"] = rt.Loaded(model=None, scheduler=None,
+                                                     record=SimpleNamespace(tag="busy:latest"), active=1)
     with pytest.raises(QueueFullError, match=r"busy:latest is still answering 1 request\(s\) after 0.2 s"):
         asyncio.run(runtime.unload())
-    assert runtime.loaded.active == 1  # nothing was unloaded under its request
+    assert runtime.loaded is busy and busy.active == 1 and not busy.retiring  # nothing was unloaded under it

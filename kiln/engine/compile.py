@@ -4,9 +4,10 @@ The family's forward pass runs once against `Recorder`, which returns symbolic n
 arrays. `Lowering` then walks that small graph and emits the fused ops the C executor knows:
 
     rmsnorm → linear            NORM_QUANT (normalize and quantize the activations once)
-    linear q/k/v → [qk-norm] → rope → attention
-                                QKV (projections, per-head norm and rope, KV cache store) + ATTN
-    add(x, linear(h))           MATMUL with the residual added as it is stored
+    linear q/k/v → [qk-norm] → [rope] → attention
+                                QKV (projections, per-head or whole-projection norm and rope, KV cache
+                                store) + ATTN
+    add(x, linear(h), scale)    MATMUL with the (scaled) product added to the residual as it is stored
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS
@@ -51,11 +52,11 @@ class Recorder:
     def glu(self, x, gate, up, act):
         return Node("glu", (x,), {"gate": gate, "up": up, "act": act})
 
-    def add(self, a, b):
-        return Node("add", (a, b))
+    def add(self, a, b, scale=1.0):
+        return Node("add", (a, b), {"scale": scale})
 
-    def logits(self, x, weight):
-        return Node("logits", (x,), {"weight": weight})
+    def logits(self, x, weight, scale=1.0):
+        return Node("logits", (x,), {"weight": weight, "scale": scale})
 
     def shortconv(self, layer, bcx, weight, conv):
         return Node("shortconv", (bcx,), {"layer": layer, "weight": weight, "conv": conv})
@@ -219,26 +220,27 @@ class Lowering:
         residual, branch = node.inputs
         res = self.value(residual)
         out = self._floats(self.cfg.dim)
+        scale = node.params["scale"]
         if branch.kind == "linear" and branch.params["bias"] is None:
-            self._matmul(branch, out, res)
-        elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear":
+            self._matmul(branch, out, res, scale)
+        elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear" and scale == 1.0:
             tmp = self._floats(self.cfg.dim)
             self._matmul(branch.inputs[0], tmp, None)
             self._emit(kind=self.n.OP_NORM_ADD, op_class=self.n.OPC_NORM, cols=self.cfg.dim, in_=tmp, res=res, out=out,
                        norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
         else:
-            raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
+            raise CompileError(f"no native op adds a {branch.kind} (scaled by {scale}) to the residual stream")
         self.residuals.append(out)
         return out
 
-    def _matmul(self, linear: Node, out: Buf, res: Buf | None) -> None:
+    def _matmul(self, linear: Node, out: Buf, res: Buf | None, scale: float = 1.0) -> None:
         w = self.weights.matrix(linear.params["weight"])
         acts, idx = self._act_index(linear.inputs[0], linear.params["weight"])
         fields = self._act_fields(acts, self._width(linear.inputs[0]))
         precise = linear.inputs[0] in self.precise
         chunk = self._chunk_tiles(w)
         self._emit(kind=self.n.OP_MATMUL, op_class=self.n.OPC_MATMUL, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
-                   out=out, res=res, chunk_tiles=chunk, precise=int(precise))
+                   out=out, res=res, chunk_tiles=chunk, precise=int(precise), scale=scale)
 
     def _value_glu(self, node: Node) -> Buf:
         gate, up = (self.weights.matrix(node.params[k]) for k in ("gate", "up"))
@@ -256,8 +258,8 @@ class Lowering:
         layer, attn = node.params["layer"], node.params["attn"]
         (q_lin, q_norm, rope), (k_lin, k_norm, k_rope), (v_lin, v_norm, v_rope) = (
             self._projection(x) for x in node.inputs)
-        if v_norm is not None or v_rope is not None or rope is None or rope != k_rope:
-            raise CompileError("attention expects rope on q and k, and a plain v projection")
+        if v_norm is not None or v_rope is not None or rope != k_rope:
+            raise CompileError("attention expects the same rope (or none) on q and k, and a plain v projection")
         h = q_lin.inputs[0]
         if k_lin.inputs[0] is not h or v_lin.inputs[0] is not h:
             raise CompileError("q, k and v must project the same input")
@@ -265,12 +267,14 @@ class Lowering:
         fields = self._act_fields(acts, self._width(h))
         hd = attn.head_dim
         q = self._floats(attn.n_heads * hd)
-        norms = {}
+        norms, whole = {}, self._whole_projection_norms(q_norm, k_norm, attn)
         for prefix, norm in (("qnorm", q_norm), ("knorm", k_norm)):
             if norm is not None:
                 norms[f"{prefix}.weight"] = self.weights.vector(norm.params["weight"])
                 norms[f"{prefix}.eps"] = norm.params["eps"]
-        cos, sin = self.ropes(rope)
+        if whole:  # the raw projections of every row, normalized and roped once all heads are in
+            norms.update(qk_norm_whole=1, qk_raw=self._floats((attn.n_heads + attn.n_kv_heads) * hd))
+        cos, sin = self.ropes(rope) if rope is not None else (None, None)
         k_cache, v_cache = self.kv(layer)
         index = {}
         for name, lin in (("q", q_lin), ("k", k_lin), ("v", v_lin)):
@@ -286,7 +290,8 @@ class Lowering:
                       k_cache=k_cache, v_cache=v_cache)
         self._emit(kind=self.n.OP_QKV, op_class=self.n.OPC_MATMUL, **fields, **index, **norms, **common, precise=int(h in self.precise),
                    chunk_heads=chunk_heads,
-                   **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
+                   **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim if rope else 0,
+                      "rope.neox": int(rope.neox) if rope else 0})
         out = self._floats(attn.n_heads * hd)
         self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
@@ -307,6 +312,24 @@ class Lowering:
                    in_=self.value(node.inputs[0]), out=out, conv_w=self.weights.vector(node.params["weight"]),
                    state=rings, conv_len=conv.length, state_len=ring)
         return out
+
+    @staticmethod
+    def _whole_projection_norms(q_norm: Node | None, k_norm: Node | None, attn) -> bool:
+        """Whether q and k are normalized over the whole projection (OLMo2) rather than per head; for a
+        projection of one head the two are the same."""
+        if (q_norm is None) != (k_norm is None):
+            raise CompileError("q and k must both be normalized, or neither")
+        whole = set()
+        for norm, heads in ((q_norm, attn.n_heads), (k_norm, attn.n_kv_heads)):
+            if norm is None:
+                continue
+            if norm.params["heads"] not in (1, heads):
+                raise CompileError(f"a q/k norm over {norm.params['heads']} groups of {heads} heads")
+            if heads > 1:
+                whole.add(norm.params["heads"] == 1)
+        if len(whole) > 1:
+            raise CompileError("q is normalized per head and k over its whole projection, or the other way")
+        return whole == {True}
 
     @staticmethod
     def _projection(node: Node) -> tuple[Node, Node | None, Rope | None]:
@@ -338,7 +361,7 @@ class Lowering:
         lo = self.weights.remainder(node.params["weight"])
         split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
         self._emit(kind=self.n.OP_LOGITS, op_class=self.n.OPC_HEAD, **fields, **split, rows=vocab, w=w.address, w_act=0,
-                   out=self.logits, chunk_tiles=self._chunk_tiles(w))
+                   out=self.logits, chunk_tiles=self._chunk_tiles(w), scale=node.params["scale"])
 
 
 def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64,

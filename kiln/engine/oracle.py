@@ -98,14 +98,15 @@ class NumpyOps:
     def glu(self, x, gate, up, act):
         return ACTIVATIONS[act](self.linear(x, gate)) * self.linear(x, up)
 
-    def add(self, a, b):
-        self.hidden.append(a + b)
+    def add(self, a, b, scale=1.0):
+        self.hidden.append(a + b * np.float32(scale) if scale != 1.0 else a + b)
         return self.hidden[-1]
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, scale=1.0):
         rows = x if self.all_logits else x[-1:]
         self.final = rows
-        return self.linear(rows, weight)
+        out = self.linear(rows, weight)
+        return out * np.float32(scale) if scale != 1.0 else out
 
     def shortconv(self, layer, bcx, weight, conv):
         b, c, x = np.split(bcx, 3, axis=1)

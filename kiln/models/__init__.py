@@ -10,10 +10,12 @@ from typing import Callable
 from kiln.errors import UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import gemma3, lfm2, llama, qwen
+from kiln.models import granite, olmo2, smollm3
 from kiln.models.base import Meta, ModelConfig
 from kiln.models.check import check_tensors, check_tokenizer_metadata
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3, "lfm2": lfm2}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3,
+                                   "granite": granite, "olmo2": olmo2, "smollm3": smollm3, "lfm2": lfm2}
 
 
 @dataclass(frozen=True)

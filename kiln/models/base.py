@@ -43,7 +43,7 @@ class Attention:
     n_kv_heads: int
     head_dim: int
     scale: float
-    rope: Rope
+    rope: Rope | None  # None: the layer's positions come from the causal mask alone (NoPE)
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
 
 
@@ -88,8 +88,8 @@ class Ops(Protocol):
     def rope(self, x: Any, rope: Rope, heads: int) -> Any: ...
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
     def glu(self, x: Any, gate: str, up: str, act: str) -> Any: ...
-    def add(self, a: Any, b: Any) -> Any: ...
-    def logits(self, x: Any, weight: str) -> Any: ...
+    def add(self, a: Any, b: Any, scale: float = 1.0) -> Any: ...  # a + scale * b
+    def logits(self, x: Any, weight: str, scale: float = 1.0) -> Any: ...  # scale * (W · x)
     # b, c, x = thirds of `bcx`; c * conv(b * x) with the depthwise causal kernel `weight` (channels x taps)
     def shortconv(self, layer: int, bcx: Any, weight: str, conv: ShortConv) -> Any: ...
 

@@ -123,11 +123,11 @@ class ShapeCheck:
             self._matrix(name, x.n, self.cfg.ffn_dim)
         return Width(self.cfg.ffn_dim)
 
-    def add(self, a, b):
+    def add(self, a, b, scale=1.0):
         self._need(b, self.cfg.dim, "a residual branch")
         return Width(self.cfg.dim)
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, scale=1.0):
         self._need(x, self.cfg.dim, "the output head's input")
         self._matrix(weight, self.cfg.dim, self.cfg.vocab_size)
         return Width(self.cfg.vocab_size)
