@@ -80,6 +80,9 @@ size_t kiln_logits_scratch(const kiln_op *op, int rows, int out_rows);
 void kiln_logits_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_logits_run(kiln_plan *p, job *j);
 
+void kiln_shortconv_bounds(const kiln_op *op, kiln_bounds *b);
+int64_t kiln_shortconv_run(kiln_plan *p, job *j);
+
 /* ---- helpers several families use ---- */
 
 /* The sum of squares runs in 8 lanes, added in a fixed tree: the compiler vectorizes it, where one running

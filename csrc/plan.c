@@ -36,6 +36,7 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     case OP_GLU: return kiln_glu_run(p, j);
     case OP_LOGITS: return kiln_logits_run(p, j);
     case OP_NORM_ADD: return kiln_norm_add_run(p, j);
+    case OP_SHORTCONV: return kiln_shortconv_run(p, j);
     }
     return 0;
 }

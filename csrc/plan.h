@@ -21,13 +21,14 @@ enum {
     OP_GLU,        /* out = act(Wg·a + bg) * (Wu·a + bu) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
     OP_LOGITS,     /* logits[i] = scale * (W·act[row_sel[i]] (+ bias)) */
+    OP_SHORTCONV,  /* out = c * conv(b * x) over each row's slot, b, c, x the thirds of in (op_conv.c) */
     OP_COUNT
 };
 
 /* What the tracer files an op's time under (kiln_op.op_class). */
 enum {
     OPC_MATMUL,    /* matrix products: QKV, MATMUL, GLU */
-    OPC_ATTENTION, /* ATTN */
+    OPC_ATTENTION, /* the sequence mixers: ATTN, SHORTCONV */
     OPC_NORM,      /* norms, rope, activations, quantization */
     OPC_HEAD,      /* the final norm and the output head */
     OPC_EMBED,     /* the embedding lookup */
@@ -105,6 +106,11 @@ typedef struct kiln_op {
     const float *norm_b; /* NORM_QUANT with layer_norm: the LayerNorm's bias [cols] */
     int layer_norm;      /* NORM_QUANT: LayerNorm (the mean subtracted, norm_b added) instead of RMSNorm */
     int activate;        /* MATMUL: glu_act applied to W·act + bias before the scale and residual (a GELU MLP's up) */
+    /* OP_SHORTCONV: taps [cols][conv_len]; this layer's rings [slots][state_len][cols] of past b * x,
+     * position p at p % state_len */
+    const float *conv_w;
+    float *state;
+    int conv_len, state_len;
     float softcap; /* ATTN: each score, LOGITS: each logit becomes softcap * tanh(x / softcap) (Gemma 2); 0: none */
 } kiln_op;
 

@@ -599,6 +599,7 @@ static const struct {
     FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'), FIELD(chunk_heads, 'i'), FIELD(negate, 'i'), FIELD(precise, 'i'),
     FIELD(qk_norm_whole, 'i'), FIELD(qk_raw, 'p'), FIELD(bias2, 'p'), FIELD(norm_b, 'p'), FIELD(layer_norm, 'i'),
     FIELD(activate, 'i'),
+    FIELD(conv_w, 'p'), FIELD(state, 'p'), FIELD(conv_len, 'i'), FIELD(state_len, 'i'),
     FIELD(softcap, 'f'),
 };
 
@@ -708,6 +709,7 @@ int kiln_plan_add_types(PyObject *module) {
         {"OPC_NORM", OPC_NORM}, {"OPC_HEAD", OPC_HEAD}, {"OPC_EMBED", OPC_EMBED}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
         {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
+        {"OP_SHORTCONV", OP_SHORTCONV},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

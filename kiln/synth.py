@@ -52,6 +52,8 @@ class Shape:
     biases: tuple[str, ...] = ()  # the block's projections (tensor names) that carry a bias
     fused_qkv: bool = False  # q, k and v written as one attn_qkv (the same values as three tensors)
     long_rope: int = 0  # LongRoPE's original context (Phi-3): short and long factors are written when set
+    attention_layers: tuple[int, ...] = ()  # hybrids (lfm2): the layers that attend; the others convolve
+    conv_length: int = 3
     metadata: tuple[tuple[str, object], ...] = ()  # (key after "<arch>.", value): the switches a variant sets
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low and high freq factors, old context
 
@@ -74,6 +76,9 @@ SHAPES = {
                        biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")),
     "phi4-mini": Shape("phi3", 3072, 32, 24, 8, 128, 8192, 200064, context_length=131072, rope_dim=96, long_rope=4096,
                        fused_qkv=True),
+    "tiny-lfm2": Shape("lfm2", 64, 4, 4, 2, 16, 128, 512, attention_layers=(1, 3)),
+    "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, context_length=128000,
+                       attention_layers=(2, 5, 8, 10, 12, 14)),
     "tiny-llama-yarn": Shape("llama", 64, 2, 4, 2, 16, 128, 512, context_length=256, tied=False, metadata=_YARN),
     "tiny-qwen2-yarn": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context_length=256, metadata=_YARN),
     "tiny-qwen3-yarn": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, context_length=256, tied=False,
@@ -178,7 +183,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_block_count(shape.n_layers)
     w.add_feed_forward_length(shape.ffn_dim)
     w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
+    family = FAMILY_WRITERS.get(a)
+    if family is not None and family.head_count_kv is not None:
+        w.add_array(f"{a}.attention.head_count_kv", family.head_count_kv(shape))
+    else:
+        w.add_head_count_kv(shape.n_kv_heads)
     w.add_key_length(shape.head_dim)
     w.add_value_length(shape.head_dim)
     if a == "phi2":
@@ -193,7 +202,6 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         # convert_hf_to_gguf's value for Phi-3: sqrt(1 + ln(scale) / ln(original context))
         scale = shape.context_length / shape.long_rope
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.long_rope))) if scale > 1 else 1.0)
-    family = FAMILY_WRITERS.get(a)
     if family is not None:
         family.metadata(w, shape)
     if tokenizer is not None:
@@ -214,7 +222,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_add_bos_token(True)
         w.add_add_space_prefix(False)
         w.add_chat_template(GEMMA_TEMPLATE)
-    elif family is not None:
+    elif family is not None and family.tokenizer is not None:
         family.tokenizer(w, shape, rng)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
@@ -250,7 +258,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     for i in range(shape.n_layers):
         p = f"blk.{i}."
         if family is not None and family.layer is not None:
-            family.layer(p, shape, matrix, norm)
+            family.layer(p, i, shape, matrix, norm)
             continue
         norm(p + "attn_norm.weight", shape.dim)
         _qkv(w, shape, rng, p, qtype)
@@ -271,7 +279,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         _biases(w, shape, rng, p, exclude=("attn_q", "attn_k", "attn_v", "attn_qkv"))
     if shape.llama3_rope is not None:
         _add(w, "rope_freqs.weight", llama3_rope_factors(10000.0 if a == "llama" else 1e6, hd, *shape.llama3_rope), QT.F32)
-    norm("output_norm.weight", shape.dim)
+    norm(family.output_norm if family is not None else "output_norm.weight", shape.dim)
     if not shape.tied:
         matrix("output.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
     return _finish(w, path)
@@ -449,12 +457,16 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
 
 @dataclass(frozen=True)
 class FamilyWriter:
-    """A family's own metadata keys, vocabulary and chat template, and (None: Llama's) one layer's tensors,
-    written with llama.cpp's key and tensor names."""
+    """A family's own metadata keys, vocabulary and chat template (None: the byte-level one above), one
+    layer's tensors (None: Llama's; called with the layer's prefix and index), the per-layer KV head counts
+    that replace the scalar (None: the scalar), and the final norm's name, written with llama.cpp's key and
+    tensor names."""
 
     metadata: Callable[[gguf.GGUFWriter, Shape], None]
-    tokenizer: Callable[[gguf.GGUFWriter, Shape, np.random.Generator], None]
-    layer: Callable[[str, Shape, Callable, Callable], None] | None = None
+    tokenizer: Callable[[gguf.GGUFWriter, Shape, np.random.Generator], None] | None
+    layer: Callable[[str, int, Shape, Callable, Callable], None] | None = None
+    head_count_kv: Callable[[Shape], list[int]] | None = None
+    output_norm: str = "output_norm.weight"
 
 
 def _bpe_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng, specials: list[str], pre: str, bos: int, eos: int,
@@ -502,7 +514,7 @@ def _olmo2_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
                    OLMO2_TEMPLATE)
 
 
-def _olmo2_layer(p: str, shape: Shape, matrix, norm) -> None:
+def _olmo2_layer(p: str, i: int, shape: Shape, matrix, norm) -> None:
     """No pre-norms: a norm after each sublayer, and q/k norms as wide as the projections."""
     q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     matrix(p + "attn_q.weight", q_dim, shape.dim)
@@ -529,8 +541,40 @@ def _smollm3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
                    SMOLLM3_TEMPLATE)
 
 
+def _lfm2_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.conv_length)
+
+
+def _lfm2_head_count_kv(shape: Shape) -> list[int]:
+    """Only the attention layers have KV heads; the convolutions' entries are 0."""
+    return [shape.n_kv_heads if i in shape.attention_layers else 0 for i in range(shape.n_layers)]
+
+
+def _lfm2_layer(p: str, i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
+    d = shape.dim
+    norm(p + "attn_norm.weight", d)
+    if i in shape.attention_layers:
+        q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+        matrix(p + "attn_q.weight", q_dim, d)
+        matrix(p + "attn_k.weight", kv_dim, d)
+        matrix(p + "attn_v.weight", kv_dim, d)
+        matrix(p + "attn_output.weight", d, q_dim)
+        norm(p + "attn_q_norm.weight", shape.head_dim)
+        norm(p + "attn_k_norm.weight", shape.head_dim)
+    else:
+        matrix(p + "shortconv.in_proj.weight", 3 * d, d)
+        # float: its rows of l_cache taps are far shorter than a quantization block, as in llama.cpp's files
+        matrix(p + "shortconv.conv.weight", d, shape.conv_length, QT.F32)
+        matrix(p + "shortconv.out_proj.weight", d, d)
+    norm(p + "ffn_norm.weight", d)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_down.weight", d, shape.ffn_dim)
+
+
 FAMILY_WRITERS: dict[str, FamilyWriter] = {
     "granite": FamilyWriter(_granite_metadata, _granite_tokenizer),
     "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
     "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
+    "lfm2": FamilyWriter(_lfm2_metadata, None, _lfm2_layer, _lfm2_head_count_kv, "token_embd_norm.weight"),
 }

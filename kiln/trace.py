@@ -125,6 +125,15 @@ def kv_write_bytes(nplan) -> int:
     return sum(2 * op["n_kv_heads"] * op["head_dim"] * 2 for op in _attention_ops(nplan))
 
 
+def state_bytes(nplan) -> tuple[int, int]:
+    """fp32 recurrent state one decode row reads (the inputs before its own that each convolution's taps
+    reach) and writes (its own input), summed over the convolution ops: the same at any position."""
+    from kiln import _native
+
+    convs = [op for op in nplan.ops if op["kind"] == _native.OP_SHORTCONV]
+    return (sum(4 * (op["conv_len"] - 1) * op["cols"] for op in convs), sum(4 * op["cols"] for op in convs))
+
+
 def dispatch_figures(engine, position: int = 0) -> dict:
     """Per decode token of one sequence at `position`: ops, parallel regions and bytes, from the decode plan."""
     nplan = engine.decode_plan
@@ -132,7 +141,8 @@ def dispatch_figures(engine, position: int = 0) -> dict:
     embed = sum(op["table_row_bytes"] for op in nplan.ops if "table_row_bytes" in op)
     return {"ops_per_call": nplan.plan.n_ops, "parallel_regions_per_call": sum(i.chunks > 1 for i in infos),
             "weight_bytes": sum(i.weight_bytes for i in infos), "embedding_row_bytes": embed,
-            "kv_write_bytes": kv_write_bytes(nplan)}
+            "kv_write_bytes": kv_write_bytes(nplan), "state_read_bytes": state_bytes(nplan)[0],
+            "state_write_bytes": state_bytes(nplan)[1]}
 
 
 # ---- per-op timers ------------------------------------------------------------------------------------
@@ -477,7 +487,7 @@ def decode_report(engine, reqs: list[Request], profile: Profile, read_gb_s: floa
     positions = [r.prompt_tokens + i for r, i in idx]
     d = dispatch_figures(engine, max(positions))
     kv_read = statistics.fmean(kv_read_bytes(nplan, p) for p in positions)
-    bytes_token = d["weight_bytes"] + d["embedding_row_bytes"] + kv_read
+    bytes_token = d["weight_bytes"] + d["embedding_row_bytes"] + kv_read + d["state_read_bytes"]
     mean_wall_s = total / tokens / 1e9
     layers = profile.group(lambda i: (i.layer, i.op_class))
     n_layers = engine.config.n_layers
@@ -508,7 +518,8 @@ def decode_report(engine, reqs: list[Request], profile: Profile, read_gb_s: floa
         "parallel_regions_per_token": calls * d["parallel_regions_per_call"],
         "bytes_per_token": {"weights": d["weight_bytes"], "embedding_row": d["embedding_row_bytes"],
                             "kv_read_mean": kv_read, "kv_mean_position": statistics.fmean(positions),
-                            "kv_write": d["kv_write_bytes"], "total": bytes_token},
+                            "kv_write": d["kv_write_bytes"], "state_read": d["state_read_bytes"],
+                            "state_write": d["state_write_bytes"], "total": bytes_token},
         "gb_per_s": {"effective": bytes_token / mean_wall_s / 1e9,
                      "matrix_ops": d["weight_bytes"] / (matrix_ms / 1e3) / 1e9 if matrix_ms else 0.0},
         "pct_of_read_bandwidth": {"effective": 100 * bytes_token / mean_wall_s / 1e9 / read_gb_s,
@@ -543,7 +554,8 @@ METHOD = {
     "bytes": "weights: packed bytes of every matrix a decode step multiplies (tile_bytes x rows_padded / 4 from "
              "each matrix's layout); embedding: one GGUF table row; KV: fp16 keys and values from position 0 "
              "(or the sliding window) to the token's own, for each attention op (the logical amount), averaged "
-             "over the traced positions. GB/s: those bytes over the mean wall time per token (effective) or over "
+             "over the traced positions; recurrent state: fp32, what each convolution's taps read before the token's "
+             "own input, and that input written. GB/s: those bytes over the mean wall time per token (effective) or over "
              "the time in matrix ops (matrix_ops)",
     "dispatch": "ops per token: native calls per token (engine.stats.steps) x ops in the decode plan; parallel "
                 "regions: ops the executor hands to the pool with more than one chunk (one thread: none)",

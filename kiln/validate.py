@@ -288,11 +288,13 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     (exact: each matrix's packed size rounded as the engine places it), the KV cache (exact) and the
     plans' working buffers (an upper-bound estimate from the shapes)."""
     from kiln.engine.compile import Recorder
+    from kiln.engine.kv import recurrent_state_bytes
     from kiln.engine.model import DEFAULT_CTX
     from kiln.engine.native import NativeEngine, arena_bytes, heads_of, packed_names, packed_parts
     from kiln.errors import KilnError
     from kiln.gguf import GGUFFile
     from kiln.models import family_for
+    from kiln.models.base import attention_layers
     from kiln.store import Store
 
     record = Store().resolve(ref)
@@ -312,8 +314,11 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
             for ggml in packed_parts(int(t.type), rows, cols, split=name in heads_of(root)):
                 weights += arena_bytes(ggml, rows, cols)
         weights = -(-max(weights, 1) // HUGE_PAGE) * HUGE_PAGE
-        kv = kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_ctx, n_slots)
+        kv = kv_cache_bytes(len(attention_layers(cfg)), cfg.n_kv_heads, cfg.head_dim, n_ctx, n_slots)
         defaults = {k: p.default for k, p in inspect.signature(NativeEngine.__init__).parameters.items()}
+        # a hybrid's recurrent state: rings that reach back a step's rows (the prefill plan's)
+        state = recurrent_state_bytes(cfg, n_slots, max(defaults["prefill_rows"], defaults["max_batch"] + 1))
+        state = -(-state // HUGE_PAGE) * HUGE_PAGE
         # per row and layer at most: residual, norm and norm-add outputs (10 x dim), q, attention output and
         # its activations (3 x q width), the GLU output and its activations (2 x ffn), all fp32; the decode
         # plan as if no buffer were reused, the prefill plan with a few layers' worth live at once
@@ -322,8 +327,8 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
         prefill = max(defaults["prefill_rows"], defaults["max_batch"] + 1) * per_row * 4 \
             + min(defaults["max_out"], defaults["prefill_rows"]) * cfg.vocab_size * 4
         return {"model": record.tag, "n_ctx": n_ctx, "n_slots": n_slots, "weights_bytes": weights, "kv_bytes": kv,
-                "working_bytes_estimate": decode + prefill, "gguf_bytes": gguf.file_size(),
-                "total_bytes": weights + kv + decode + prefill}
+                "state_bytes": state, "working_bytes_estimate": decode + prefill, "gguf_bytes": gguf.file_size(),
+                "total_bytes": weights + kv + state + decode + prefill}
     finally:
         gguf.close()
 
@@ -346,11 +351,13 @@ def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int
     fits = avail is not None and need <= avail * 2**30
     fp.update(process_rss_bytes=rss, need_bytes=need, available_bytes=int((avail or 0) * 2**30), fits=fits)
     result = (f"{fp['model']} at {fp['n_ctx']} tokens x {n_slots} slot(s) needs {need / 2**30:.2f} GiB: weights "
-              f"{fp['weights_bytes'] / MiB:.0f} MiB + KV cache {fp['kv_bytes'] / MiB:.0f} MiB + plan arenas "
+              f"{fp['weights_bytes'] / MiB:.0f} MiB + KV cache {fp['kv_bytes'] / MiB:.0f} MiB + "
+              + (f"recurrent state {fp['state_bytes'] / MiB:.0f} MiB + " if fp["state_bytes"] else "") + "plan arenas "
               f"<= {fp['working_bytes_estimate'] / MiB:.0f} MiB + this process {rss / MiB:.0f} MiB; {base}: "
               + ("fits" if fits else "DOES NOT FIT"))
     method = ("packed sizes of every matrix the graph multiplies (kiln's pack_size, placed as the engine places "
-              "them), KV = 2 x fp16 x layers x slots x context (rounded up to 8) x kv heads x head dim, plan "
+              "them), KV = 2 x fp16 x attention layers x slots x context (rounded up to 8) x kv heads x head dim, "
+              "recurrent state = fp32 x slots x (a step's rows + taps - 1) x the convolution layers' widths, plan "
               "arenas an upper bound from the shapes, this process's VmRSS; against MemAvailable. The GGUF file itself "
               f"({fp['gguf_bytes'] / MiB:.0f} MiB) is memory-mapped: page cache, reclaimable, not counted")
     return Check("memory fit", PASSED if fits else FAILED, result, method, fp), fp

@@ -31,6 +31,7 @@ SEEDS = {
     "qwen2": dict(shape="tiny-qwen2", qtype="F16", vocab_size=320),
     "qwen3": dict(shape="tiny-qwen3", qtype="Q4_0", vocab_size=320, head_dim=32),
     "gemma3": dict(shape="tiny-gemma3", qtype="Q8_0", vocab_size=320, head_dim=32),
+    "lfm2": dict(shape="tiny-lfm2", qtype="Q8_0", vocab_size=320),
     "granite": dict(shape="tiny-granite", qtype="Q4_0", vocab_size=320),
     "olmo2": dict(shape="tiny-olmo2", qtype="Q8_0", vocab_size=320),
     "smollm3": dict(shape="tiny-smollm3", qtype="F16", vocab_size=320),
@@ -276,9 +277,13 @@ def mutations(rng, h: Header) -> list[dict]:
                 value = _pick(rng, FLOATS + [kv.value * 2, kv.value / 2])
             elif isinstance(kv.value, str):
                 value = _pick(rng, STRINGS + [kv.value[::-1], kv.value[: len(kv.value) // 2]])
+            elif isinstance(kv.value, list):  # a per-layer array (lfm2's KV head counts): one count moved
+                value = list(kv.value)
+                i = int(rng.integers(len(value)))
+                value[i] = _int_near(rng, value[i]) if isinstance(value[i], int) else value[i]
             else:
                 value = int(rng.integers(0, 3))
-            ops.append({"op": "set", "key": kv.key, "vtype": kv.vtype, "value": value})
+            ops.append({"op": "set", "key": kv.key, "vtype": kv.vtype, "value": value, "item": kv.item})
         elif kind == "retype":
             kv = _pick(rng, arch_keys)
             vtype, value, item = _random_value(rng, n_layers=n_layers)

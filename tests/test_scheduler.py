@@ -32,6 +32,12 @@ class ScriptedEngine:
         self.copies.append((src, dst, length))
         self.kv[dst] = self.kv[src][:length]
 
+    def resume_point(self, slot, position):
+        return position
+
+    def snapshot(self, slot, position):
+        pass
+
     def step(self, tokens, slots, positions, out_rows):
         self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),
                            "out_rows": list(out_rows)})
@@ -372,7 +378,12 @@ def test_schedulers_sharing_turns_step_one_at_a_time_and_alternate():
         def step(self, tokens, slots, positions, out_rows):
             inside[0] += 1
             most[0] = max(most[0], inside[0])
-            time.sleep(0.002)  # the GIL released, as in a native step: another thread could step now
+            # The GIL released, as in a native step. The step lasts until the other scheduler waits for its
+            # turn (while it has work), so the order shows the turns' rule, not how the threads were scheduled.
+            other = clients["ab".index(self.name) - 1]
+            deadline = time.monotonic() + 5
+            while turns._issued - turns._serving < 2 and not other.done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.0005)
             order.append(self.name)
             inside[0] -= 1
             return super().step(tokens, slots, positions, out_rows)

@@ -101,6 +101,12 @@ class BigramEngine:
     def step(self, tokens, slots, positions, out_rows):
         return self.table[[tokens[r] for r in out_rows]]
 
+    def resume_point(self, slot, position):
+        return position
+
+    def snapshot(self, slot, position):
+        pass
+
 
 class SkewedDrafter:
     """Drafts from a fixed distribution q that disagrees with the target (it favours the target's least

@@ -66,6 +66,9 @@ class Recorder:
     def logits(self, x, weight, bias=None, scale=1.0, softcap=0.0):
         return Node("logits", (x,), {"weight": weight, "bias": bias, "scale": scale, "softcap": softcap})
 
+    def shortconv(self, layer, bcx, weight, conv):
+        return Node("shortconv", (bcx,), {"layer": layer, "weight": weight, "conv": conv})
+
 
 @dataclass(eq=False)
 class Buf:
@@ -84,8 +87,10 @@ class Lowering:
     `matrix(name)` → packed matrix (has .address, .layout), `vector(name)` → float32 array."""
 
     def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes,
-                 negate_layer: int | None = None):
+                 negate_layer: int | None = None, state=None):
+        """`state(layer)`: a convolution layer's rings (float32, [slots][ring][width]) and ring length."""
         self.n, self.weights, self.cfg, self.rows, self.out_rows = native, weights, config, rows, out_rows
+        self.state = state
         self.n_ctx, self.threads, self.kv, self.ropes = n_ctx, threads, kv, ropes
         self.negate_layer = negate_layer
         self.residuals: list[Buf] = []  # the residual stream after every add, for per-layer diagnosis
@@ -207,6 +212,8 @@ class Lowering:
             return a.n_heads * a.head_dim
         if node.kind == "linear":
             return self.weights.matrix(node.params["weight"]).layout["rows"]
+        if node.kind == "shortconv":
+            return node.params["conv"].width
         raise CompileError(f"width of {node.kind} is unknown")
 
     # ---- lowering rules ------------------------------------------------------------------------------
@@ -320,6 +327,22 @@ class Lowering:
         out = self._floats(attn.n_heads * hd)
         self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer), softcap=attn.softcap)
+        return out
+
+    def _value_linear(self, node: Node) -> Buf:
+        if node.params["bias"] is not None:
+            raise CompileError("no native op adds a bias to a standalone projection")
+        out = self._floats(self._width(node))
+        self._matmul(node, out, None)
+        return out
+
+    def _value_shortconv(self, node: Node) -> Buf:
+        conv, layer = node.params["conv"], node.params["layer"]
+        rings, ring = self.state(layer)
+        out = self._floats(conv.width)
+        self._emit(kind=self.n.OP_SHORTCONV, op_class=self.n.OPC_ATTENTION, layer=layer, cols=conv.width,
+                   in_=self.value(node.inputs[0]), out=out, conv_w=self.weights.vector(node.params["weight"]),
+                   state=rings, conv_len=conv.length, state_len=ring)
         return out
 
     @staticmethod

@@ -49,7 +49,16 @@ class Engine(Protocol):
         """The residual stream after every add, for diagnosis."""
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the KV of positions [0, length) of slot `src` into slot `dst`."""
+        """Copy the KV of positions [0, length) of slot `src` into slot `dst`, and its recurrent state."""
+
+    def resume_point(self, slot: int, position: int) -> int:
+        """The furthest position at or before `position` from which the slot can continue (be fed next):
+        `position` itself for a KV cache alone; for a recurrent state, one it still reaches or its
+        snapshot, else 0 (kiln/engine/kv.py, StateWindow)."""
+
+    def snapshot(self, slot: int, position: int) -> None:
+        """Keep the recurrent state before `position` aside, so the slot can later continue there (a
+        prompt's end, for the next turn); nothing without a recurrent state."""
 
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose, to show that accuracy checks fail."""

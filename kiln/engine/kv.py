@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.errors import ContextLengthError
+from kiln.errors import ContextLengthError, KilnError
+from kiln.models.base import ModelConfig, ShortConv
 
 
 def check_span(start: int, count: int, n_ctx: int) -> None:
@@ -48,3 +49,113 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in (*self.k, *self.v))
+
+
+class StateWindow:
+    """Where each slot's recurrent state can continue from. A convolution layer keeps its recent inputs in
+    a ring indexed by position: the `length - 1` a position reads and `window` more, so that a slot
+    resumes anywhere from `window` positions behind the furthest it has written (past rejected draft
+    tokens, or a prompt that shares less than the slot holds) up to where it stopped. Besides the ring,
+    each slot keeps one snapshot: the inputs before one position (the end of its last prompt), so a later
+    turn that extends that prompt resumes there however far the reply ran on. Both engines run every
+    step's rows through `advance`."""
+
+    def __init__(self, n_slots: int, length: int, window: int):
+        self.window, self.ring, self.length = window, window + length - 1, length
+        self.end = [0] * n_slots  # one past the last position written
+        self.top = [0] * n_slots  # one past the furthest position written since `floor` was set
+        self.floor = [0] * n_slots  # no position below it (but 0) is resumable: the ring before it is stale
+        self.snapshot = [-1] * n_slots  # the position whose preceding inputs the snapshot holds; -1: none
+
+    def _live(self, slot: int, position: int) -> bool:
+        """Whether the rings themselves still hold the inputs before `position`."""
+        return max(self.floor[slot], self.top[slot] - self.window) <= position <= self.end[slot]
+
+    def resume_point(self, slot: int, position: int) -> int:
+        """The furthest position at or before `position` from which the slot can continue."""
+        if self._live(slot, position):
+            return position
+        return self.snapshot[slot] if 0 < self.snapshot[slot] <= position else 0
+
+    def advance(self, slots, positions, restore) -> None:
+        """Note a step's rows; `restore(slot, position)` puts a slot's snapshot back into its rings first
+        when the slot continues from it. A row that continues where the state cannot is a kiln bug."""
+        seen = set()
+        for s, p in zip(slots, positions):
+            if s not in seen:
+                seen.add(s)
+                if p != self.resume_point(s, p):
+                    raise KilnError(f"slot {s}'s recurrent state cannot continue at position {p}")
+                if not self._live(s, p):  # from the snapshot, or from 0: the rings hold nothing newer
+                    if p:
+                        restore(s, p)
+                    self.floor[s] = self.top[s] = p
+            self.end[s] = p + 1
+            self.top[s] = max(self.top[s], p + 1)
+
+    def positions_before(self, position: int) -> list[int]:
+        """The ring rows of the inputs a position reads before its own (those at positions ≥ 0)."""
+        return [q % self.ring for q in range(max(0, position - self.length + 1), position)]
+
+    def take_snapshot(self, slot: int, position: int) -> bool:
+        """Whether the rings hold the inputs before `position` (then the caller copies them)."""
+        if self.resume_point(slot, position) != position:
+            return False
+        self.snapshot[slot] = position
+        return True
+
+    def copy(self, src: int, dst: int) -> None:
+        for field in (self.end, self.top, self.floor, self.snapshot):
+            field[dst] = field[src]
+
+
+class ConvState:
+    """The oracle's rings (see StateWindow): per convolution layer, (slots, ring, width) float32."""
+
+    def __init__(self, layers: dict, n_slots: int, window: int):
+        length = max(c.length for c in layers.values())
+        self.positions = StateWindow(n_slots, length, window)
+        self.rings = {i: np.zeros((n_slots, self.positions.ring, c.width), np.float32) for i, c in layers.items()}
+        self.snapshots = {i: np.zeros((n_slots, length - 1, c.width), np.float32) for i, c in layers.items()}
+
+    def snapshot(self, slot: int, position: int) -> None:
+        if self.positions.take_snapshot(slot, position):
+            rows = self.positions.positions_before(position)
+            for i, ring in self.rings.items():
+                self.snapshots[i][slot, : len(rows)] = ring[slot, rows]
+
+    def restore(self, slot: int, position: int) -> None:
+        rows = self.positions.positions_before(position)
+        for i, ring in self.rings.items():
+            ring[slot, rows] = self.snapshots[i][slot, : len(rows)]
+
+    def convolve(self, layer: int, slot: int, start: int, bx: np.ndarray, taps: np.ndarray) -> np.ndarray:
+        """The causal depthwise convolution of `bx` (rows at positions start.., width) with `taps`
+        (width, length), over the inputs before `start` the ring holds (zeros before position 0); the
+        rows are then stored."""
+        ring, length = self.rings[layer][slot], taps.shape[1]
+        past = np.arange(start - (length - 1), start)
+        history = np.concatenate([np.where((past >= 0)[:, None], ring[past % len(ring)], 0), bx])
+        out = sum(taps[:, j] * history[j : j + len(bx)] for j in range(length))
+        at = np.arange(start, start + len(bx))[-len(ring):]
+        ring[at % len(ring)] = bx[-len(ring):]
+        return out.astype(np.float32, copy=False)
+
+    def copy(self, src: int, dst: int) -> None:
+        for ring, snap in zip(self.rings.values(), self.snapshots.values()):
+            ring[dst], snap[dst] = ring[src], snap[src]
+        self.positions.copy(src, dst)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rings.values())
+
+
+def recurrent_state_bytes(cfg: ModelConfig, n_slots: int, window: int) -> int:
+    """What the convolution layers' rings hold for `n_slots` slots (float32; see StateWindow): fixed, whatever
+    the context."""
+    convs = [layer for layer in cfg.layers if isinstance(layer, ShortConv)]
+    if not convs:
+        return 0
+    ring = window + max(c.length for c in convs) - 1
+    return 4 * n_slots * ring * sum(c.width for c in convs)

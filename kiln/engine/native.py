@@ -22,13 +22,13 @@ from gguf import quants as gguf_quants
 from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.interface import Limits
-from kiln.engine.kv import check_span
+from kiln.engine.kv import StateWindow, check_span, recurrent_state_bytes
 from kiln.engine.oracle import rope_angles
 from kiln.engine.repack_cache import RepackCache
 from kiln.errors import KilnError, RequestError
 from kiln.gguf import EXACT_REWRITES, KERNEL_TYPES, GGUFFile, rewrite_exactly
 from kiln.models import Family
-from kiln.models.base import Rope
+from kiln.models.base import Rope, ShortConv, attention_layers
 
 try:
     from kiln import _native
@@ -298,7 +298,7 @@ class NativePlan:
                  arena=None):
         e = engine
         low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table,
-                       e.negate_layer)
+                       e.negate_layer, state=e.state_layer)
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
         size, gaps = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all,
@@ -327,6 +327,8 @@ def plan_buffers(engine: "NativeEngine", activations) -> dict:
     """Every buffer and matrix a plan's ops point into, by name: what C holds each op's addresses against."""
     w = engine.weights
     buffers = {"activations": activations, "kv cache": engine.kv_arena, "weights": w.arena}
+    if engine.state_arena is not None:
+        buffers["recurrent state"] = engine.state_arena
     buffers.update(w.mats)
     buffers.update({f"{name} (low bits)": m for name, m in w.remainders.items()})
     buffers.update(w.vectors)
@@ -360,11 +362,15 @@ class NativeEngine:
         # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
         self.kv_ctx = -(-n_ctx // 8) * 8
         kv_elems = n_slots * self.kv_ctx * cfg.n_kv_heads * cfg.head_dim
-        self.kv_arena = _native.Arena(2 * 2 * cfg.n_layers * kv_elems)
-        self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16).reshape(cfg.n_layers, 2, kv_elems)
+        # only attention layers have KV; a hybrid's others keep a recurrent state instead
+        self.kv_index = {layer: i for i, layer in enumerate(attention_layers(cfg))}
+        self.kv_arena = _native.Arena(max(2 * 2 * len(self.kv_index) * kv_elems, 1))
+        self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16)[: 2 * len(self.kv_index) * kv_elems].reshape(
+            len(self.kv_index), 2, kv_elems)
         self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
         rows = max(prefill_rows, max_batch + 1)
         self.limits = Limits(rows=rows, batch=max_batch, out_rows=min(max_out, rows))
+        self._allocate_state(n_slots, rows)
         self.negate_layer: int | None = None
         self.guard = guard or os.environ.get("KILN_GUARD") == "1"
         self._root = root
@@ -396,12 +402,56 @@ class NativeEngine:
         plan.inputs["slots"][:n] = slot
         plan.inputs["positions"][:n] = range(start, start + n)
         plan.inputs["row_sel"][:1] = n - 1
+        if self.state_positions is not None:
+            self.state_positions.advance([slot] * n, range(start, start + n), self._restore)
         plan.plan.run(n, 1)
         return [r[:n].copy() for r in plan.residuals]
 
+    def _allocate_state(self, n_slots: int, window: int) -> None:
+        """Each convolution layer's rings, float32 [slots][ring][width], preallocated with the slots: a
+        rewind of up to a step's rows (`window`) stays within them (kiln/engine/kv.py, StateWindow)."""
+        convs = {i: c for i, c in enumerate(self.config.layers) if isinstance(c, ShortConv)}
+        self.state_arena, self._state, self._snapshots, self.state_positions = None, {}, {}, None
+        if not convs:
+            return
+        self.state_positions = StateWindow(n_slots, max(c.length for c in convs.values()), window)
+        ring = self.state_positions.ring
+        sizes = {i: n_slots * ring * c.width for i, c in convs.items()}
+        self.state_arena = _native.Arena(recurrent_state_bytes(self.config, n_slots, window))
+        whole, at = np.frombuffer(self.state_arena, dtype=np.float32), 0
+        for i, size in sizes.items():
+            self._state[i] = whole[at : at + size].reshape(n_slots, -1)
+            at += size
+        # each slot's snapshot: the inputs before one position (kiln/engine/kv.py, StateWindow)
+        self._snapshots = {i: np.zeros((n_slots, c.length - 1, c.width), np.float32) for i, c in convs.items()}
+
+    def _rings(self, layer: int) -> np.ndarray:
+        return self._state[layer].reshape(self.n_slots, self.state_positions.ring, -1)
+
+    def _restore(self, slot: int, position: int) -> None:
+        rows = self.state_positions.positions_before(position)
+        for i, snap in self._snapshots.items():
+            self._rings(i)[slot, rows] = snap[slot, : len(rows)]
+
+    def snapshot(self, slot: int, position: int) -> None:
+        """Keep the state before `position` aside, so the slot can continue there however far it runs on."""
+        if self.state_positions is not None and self.state_positions.take_snapshot(slot, position):
+            rows = self.state_positions.positions_before(position)
+            for i, snap in self._snapshots.items():
+                snap[slot, : len(rows)] = self._rings(i)[slot, rows]
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """The recurrent state one slot holds, whatever its context: kiln validate's memory fit."""
+        return sum(s[0].nbytes for s in self._state.values())
+
     # ---- resources the lowering asks for ---------------------------------------------------------
     def kv_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._kv[layer, 0], self._kv[layer, 1]
+        i = self.kv_index[layer]
+        return self._kv[i, 0], self._kv[i, 1]
+
+    def state_layer(self, layer: int) -> tuple[np.ndarray, int]:
+        return self._state[layer], self.state_positions.ring
 
     def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         if rope not in self.ropes:
@@ -431,6 +481,8 @@ class NativeEngine:
         inp["slots"][:n] = slots
         inp["positions"][:n] = positions
         inp["row_sel"][:n_out] = out_rows
+        if self.state_positions is not None:
+            self.state_positions.advance(slots, positions, self._restore)
         native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
         self._last_plan = plan
@@ -466,9 +518,18 @@ class NativeEngine:
         """Copy KV positions [0, length) — in whole key groups of 8, which only adds positions the
         destination does not use yet."""
         cfg = self.config
-        kv = self._kv.reshape(cfg.n_layers, 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
+        kv = self._kv.reshape(len(self.kv_index), 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
         n = -(-length // 8) * 8 * cfg.head_dim
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
+        for rings, snap in zip(self._state.values(), self._snapshots.values()):
+            rings[dst], snap[dst] = rings[src], snap[src]
+        if self.state_positions is not None:
+            self.state_positions.copy(src, dst)
+
+    def resume_point(self, slot: int, position: int) -> int:
+        """The furthest position at or before `position` the slot can continue from (itself, without a
+        recurrent state)."""
+        return position if self.state_positions is None else self.state_positions.resume_point(slot, position)
 
     def close(self) -> None:
         self.decode_plan = self.prefill_plan = self._last_plan = None

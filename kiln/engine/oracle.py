@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.engine.interface import Limits
-from kiln.engine.kv import KVCache, check_span
+from kiln.engine.kv import ConvState, KVCache, check_span
 from kiln.gguf import GGUFFile
 from kiln.models import Family
-from kiln.models.base import Attention, Rope
+from kiln.models.base import Attention, Rope, ShortConv
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -124,6 +124,10 @@ class NumpyOps:
         out = self.linear(rows, weight, bias)
         return capped(out * np.float32(scale) if scale != 1.0 else out, softcap)
 
+    def shortconv(self, layer, bcx, weight, conv):
+        b, c, x = np.split(bcx, 3, axis=1)
+        return c * self.e.conv.convolve(layer, self.slot, int(self.positions[0]), b * x, self.e.weight(weight))
+
 
 class OracleEngine:
     """Runs a family's graph with NumpyOps. `forward` prefills or decodes one sequence slot; `decode`
@@ -142,6 +146,9 @@ class OracleEngine:
         self.n_ctx, self.n_slots = n_ctx, n_slots
         cfg = self.config
         self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        convs = {i: layer for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)}
+        # rewinds of up to a step's rows, as the native engine's (see StateWindow)
+        self.conv = ConvState(convs, n_slots, self.limits.rows) if convs else None
         self._weights: dict[str, np.ndarray] = {}
         self._inv_freq: dict[Rope, np.ndarray] = {}
         self.negate_layer: int | None = None  # debug: flip one layer's attention output
@@ -165,6 +172,8 @@ class OracleEngine:
         tokens = np.asarray(tokens, dtype=np.int64)
         check_span(start, len(tokens), self.n_ctx)
         ops = NumpyOps(self, tokens, slot, start, all_logits)
+        if self.conv is not None:
+            self.conv.positions.advance([slot] * len(tokens), ops.positions, self.conv.restore)
         logits = self.forward_fn(ops, self.config)
         self.last_hidden, self.last_final = ops.hidden, ops.final
         return logits if all_logits else logits[0]
@@ -204,6 +213,15 @@ class OracleEngine:
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy(src, dst, length)
+        if self.conv is not None:
+            self.conv.copy(src, dst)
+
+    def resume_point(self, slot: int, position: int) -> int:
+        return position if self.conv is None else self.conv.positions.resume_point(slot, position)
+
+    def snapshot(self, slot: int, position: int) -> None:
+        if self.conv is not None:
+            self.conv.snapshot(slot, position)
 
     def close(self) -> None:
         self._weights.clear()

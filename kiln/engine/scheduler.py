@@ -17,7 +17,9 @@ tokens share the longest prefix with its prompt (chat clients and agents resend 
 prefills only the rest; the last prompt token is always recomputed, since its logits are needed. When a
 running request's slot shares more of the prompt (a system prompt that many clients send), that prefix's
 KV is copied into the new request's slot instead. Rejected draft tokens leave KV behind them, which a
-slot never counts as held (later passes overwrite it).
+slot never counts as held (later passes overwrite it). A hybrid's recurrent state reaches back only so far
+(kiln/engine/kv.py, StateWindow): a prefix is reused from where `engine.resume_point` says the slot can
+continue, the snapshot kept at each prompt's end included, and otherwise the prompt starts over.
 
 Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
@@ -339,6 +341,8 @@ class Scheduler:
     def _sample(self, batch: Batch, logits: np.ndarray) -> None:
         for req, n in batch.fed:
             req.fed += n
+            if req.fed == len(req.seq.prompt_ids) and n:  # the next turn may continue from the prompt's end
+                self.engine.snapshot(req.seq.slot, req.fed)
             self._turns += 1  # a distinct turn per request, so the least recently stepped go first: round robin
             req.last_step = self._turns
         spans = batch.out_spans()
@@ -407,21 +411,27 @@ class Scheduler:
             return
         prompt = seq.prompt_ids
         longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
+
+        def reusable(slot: int, held: list[int]) -> int:
+            # a recurrent state continues only from positions it still reaches, or its snapshot
+            return self.engine.resume_point(slot, min(common_prefix(held, prompt), longest))
+
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
         # A slot that would keep less than half of what it caches (another system prompt, sharing only the
         # template's opening) is not reused while a slot is free that loses less: a later request may
-        # bring that prompt back (llama-server's slot similarity does the same).
+        # bring that prompt back (llama-server's slot similarity does the same). What a slot keeps is what
+        # its state can continue from.
         shares = {s: common_prefix(self.slot_tokens[s], prompt) for s in self.free}
-        reusable = [s for s in self.free if 2 * shares[s] >= len(self.slot_tokens[s])]
-        if reusable:
-            slot = max(reusable, key=lambda s: (shares[s], -self.slot_used[s]))
+        similar = [s for s in self.free if 2 * self.engine.resume_point(s, shares[s]) >= len(self.slot_tokens[s])]
+        if similar:
+            slot = max(similar, key=lambda s: (reusable(s, self.slot_tokens[s]), shares[s], -self.slot_used[s]))
         else:
             slot = min(self.free, key=lambda s: self.slot_used[s])
-        cached = min(shares[slot], longest)
+        cached = reusable(slot, self.slot_tokens[slot])
         # A busy slot may hold more of it (clients that send the same system prompt at once): then that
         # prefix's KV is copied into the least recently used free slot, for a fraction of a prefill's cost.
-        shared, source = max(((min(common_prefix(r.seq.all_ids[: r.fed], prompt), longest), r.seq.slot)
-                              for r in self.running), default=(0, None))
+        shared, source = max(((reusable(r.seq.slot, r.seq.all_ids[: r.fed]), r.seq.slot) for r in self.running),
+                             default=(0, None))
         if shared > cached:
             slot = min(self.free, key=lambda s: self.slot_used[s])
             self.engine.copy_slot(source, slot, shared)

@@ -266,7 +266,8 @@ class ModelDrafter:
             k = min(k, self.engine.n_ctx - len(ids))  # the draft's context may be the shorter one
             if k <= 0:
                 continue
-            fed = min(common_prefix(self.slot_tokens[seq.slot], ids), len(ids) - 1)
+            # a hybrid draft's recurrent state may no longer reach back there
+            fed = self.engine.resume_point(seq.slot, min(common_prefix(self.slot_tokens[seq.slot], ids), len(ids) - 1))
             self.slot_tokens[seq.slot] = ids[:fed]  # until the passes below succeed
             tokens += ids[fed:]
             slots += [seq.slot] * (len(ids) - fed)

@@ -94,6 +94,15 @@ class Attention:
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none
 
 
+@dataclass(frozen=True)
+class ShortConv:
+    """A layer that mixes positions by a causal depthwise convolution over its last `length` inputs
+    (LFM2's gated short convolution): its state is the `length - 1` inputs before the current one."""
+
+    width: int  # channels
+    length: int  # taps, the current position included
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -132,6 +141,8 @@ class Ops(Protocol):
                softcap: float = 0.0) -> Any: ...  # scale * (W · x + bias), then soft-capped
     def layernorm(self, x: Any, weight: str, bias: str, eps: float) -> Any: ...
     def activation(self, x: Any, act: str) -> Any: ...
+    # b, c, x = thirds of `bcx`; c * conv(b * x) with the depthwise causal kernel `weight` (channels x taps)
+    def shortconv(self, layer: int, bcx: Any, weight: str, conv: ShortConv) -> Any: ...
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -262,7 +273,8 @@ def base_config(m: Meta, **overrides) -> dict:
     n_layers = m.integer("block_count", hi=MAX_LAYERS)
     dim = m.integer("embedding_length")
     n_heads = m.integer("attention.head_count", hi=dim)
-    n_kv = m.integer("attention.head_count_kv", n_heads, hi=n_heads)
+    # a hybrid family reads its per-layer counts itself and passes the attention layers' count
+    n_kv = overrides["n_kv_heads"] if "n_kv_heads" in overrides else m.integer("attention.head_count_kv", n_heads, hi=n_heads)
     if n_heads % n_kv:
         raise m.fail("attention.head_count_kv", n_kv, f"a divisor of attention.head_count ({n_heads})")
     head_dim = m.integer("attention.key_length", max(dim // n_heads, 1), hi=1 << 16)
@@ -301,3 +313,12 @@ def check_rope(m: Meta, rope: Rope, head_dim: int) -> None:
 
 def output_weight(cfg: ModelConfig) -> str:
     return "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+
+
+def attention_layers(cfg: ModelConfig) -> list[int]:
+    """The layers that keep a KV cache; the others (ShortConv) keep a fixed-size recurrent state."""
+    return [i for i, layer in enumerate(cfg.layers) if isinstance(layer, Attention)]
+
+
+def conv_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)]

@@ -14,7 +14,7 @@ import numpy as np
 
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile, StringArray, describe, is_int, parse_row_view
-from kiln.models.base import Attention, ModelConfig, Rope
+from kiln.models.base import Attention, ModelConfig, Rope, ShortConv
 
 # what the tokenizer's keys hold (llama.cpp's types); per-token arrays have one entry per token
 _TOKENIZER_KINDS = {"tokenizer.ggml.model": "a string", "tokenizer.ggml.pre": "a string",
@@ -164,6 +164,13 @@ class ShapeCheck:
         if bias is not None:
             self._expect(bias, self.cfg.vocab_size)
         return Width(self.cfg.vocab_size)
+
+    def shortconv(self, layer, bcx, weight, conv: ShortConv):
+        if not 0 <= layer < self.cfg.n_layers or conv is not self.cfg.layers[layer]:
+            raise ModelFileError(f"{self.gguf.path}: layer {layer} is not one of the config's {self.cfg.n_layers}")
+        self._need(bcx, 3 * conv.width, f"layer {layer}'s convolution input")
+        self._expect(weight, conv.width, conv.length)
+        return Width(conv.width)
 
 
 def check_tensors(gguf: GGUFFile, cfg: ModelConfig, forward) -> None:
