@@ -597,7 +597,7 @@ static const struct {
     FIELD(qnorm.eps, 'f'), FIELD(knorm.weight, 'p'), FIELD(knorm.eps, 'f'), FIELD(rope.cos, 'p'),
     FIELD(rope.sin, 'p'), FIELD(rope.dim, 'i'), FIELD(rope.neox, 'i'), FIELD(q, 'p'), FIELD(k_cache, 'p'),
     FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'), FIELD(chunk_heads, 'i'), FIELD(negate, 'i'), FIELD(precise, 'i'),
-    FIELD(qk_norm_whole, 'i'), FIELD(qk_raw, 'p'),
+    FIELD(qk_norm_whole, 'i'), FIELD(qk_raw, 'p'), FIELD(kv_type, 'i'),
 };
 
 static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {

@@ -43,6 +43,7 @@ class Settings:
     backend: str = "auto"
     prefill_chunk: int | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)  # what requests that do not say get
+    kv_cache: str | None = None  # the KV cache's type (None: KILN_KV_CACHE_TYPE, else f16)
     draft_model: str | None = None  # loaded beside every model, to draft for it (mode "model")
 
 
@@ -212,7 +213,7 @@ class Runtime:
         try:
             ref = str(record.path) if record.sha256 is None else record.tag
             model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=n_ctx or s.ctx_len, n_slots=s.parallel,
-                                            threads=s.threads, store=self.store, progress=False)
+                                            threads=s.threads, store=self.store, progress=False, kv_cache=s.kv_cache)
             drafter = None
             if s.draft_model:
                 try:
