@@ -150,3 +150,23 @@ def test_footprint_and_arena_of_a_q8_0_cache(shape, options, tmp_path, monkeypat
     m.close()
     check, _ = V.check_memory({"mem_total_gib": 64, "mem_available_gib": 32}, str(path), 256, 2, "q8_0")
     assert "KV cache (q8_0)" in check.result
+
+
+def test_q8_0_attention_is_the_same_bits_on_avx2_and_avx512(tmp_path):
+    """The AVX-512 kernels run the AVX2 kernels' arithmetic lane for lane, 16 keys at a time."""
+    from kiln.native import kernels
+
+    if any(kernels.isa_missing(isa) for isa in ("avx2", "avx512")):
+        pytest.skip("this CPU lacks AVX-512")  # the oracle tests above still cover the ISAs it has
+    gguf = model(tmp_path, "tiny-gemma3")  # 2 query heads a KV head, a 4-key window on most layers
+    fam = family_for(gguf)
+    ids = [int(i) for i in np.random.default_rng(8).integers(3, 500, 90)]
+    before, out = kernels.active_isa(), {}
+    try:
+        for isa in ("avx2", "avx512"):
+            kernels.force_isa(isa)
+            engine = NativeEngine(gguf, fam, n_ctx=96, threads=2, kv_type="q8_0")
+            out[isa] = np.concatenate([engine.forward(ids, all_logits=True), engine.forward([5], 0, 90)[None]])
+    finally:
+        kernels.force_isa(before)
+    assert np.array_equal(out["avx2"], out["avx512"])
