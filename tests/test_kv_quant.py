@@ -170,3 +170,31 @@ def test_q8_0_attention_is_the_same_bits_on_avx2_and_avx512(tmp_path):
     finally:
         kernels.force_isa(before)
     assert np.array_equal(out["avx2"], out["avx512"])
+
+
+def test_plan_refuses_a_kv_buffer_smaller_than_the_q8_0_cache(tmp_path):
+    from tests.test_plan import rebuild
+
+    gguf = model(tmp_path, "tiny-qwen3")
+    e = NativeEngine(gguf, family_for(gguf), n_ctx=64, threads=2, prefill_rows=17, max_batch=4, kv_type="q8_0")
+    rebuild(e)  # the buffers as handed: accepted
+    s = SHAPES["tiny-qwen3"]
+    layer = 2 * s.n_kv_heads * 64 * s.head_dim // 32 * 34  # keys and values of layer 0, 34 bytes a block
+    short = memoryview(e.kv_arena)[: layer // 4]
+    with pytest.raises(ValueError, match=r"plan op \d+ \(QKV, layer 0\): k_cache needs \d+ bytes at byte 0 of "
+                                         r"buffer 'kv cache', which holds " + str(layer // 4)):
+        rebuild(e, **{"kv cache": short})
+
+
+def test_show_names_the_cache_type(tmp_path, monkeypatch):
+    from kiln.modelinfo import _footprint
+    from kiln.store import Store
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen3", qtype=QT.F32)
+    record = Store().resolve(str(path))
+    monkeypatch.setenv("KILN_KV_CACHE_TYPE", "q8_0")
+    info = _footprint(record)
+    s = SHAPES["tiny-qwen3"]
+    q8 = 2 * s.n_layers * info["kv_context"] * s.n_kv_heads * s.head_dim // 32 * 34
+    assert info["kv_cache_type"] == "q8_0" and info["kv_cache_bytes"] == math.ceil(q8 / MiB2) * MiB2
