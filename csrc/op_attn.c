@@ -4,6 +4,7 @@
  * roped and stored in a second pass, a row per chunk. ATTN attends over
  * each row's slot in parts the threads take separately, then merges each query's parts in order. */
 #include "attn.h"
+#include "attn_quant.h"
 #include "ops.h"
 
 /* A layer without rope (SmolLM3's every fourth) has dim 0. */
@@ -21,8 +22,20 @@ static void rope(float *x, const kiln_rope *r, int pos) {
 
 /* The KV cache is head-major, [slot][kv head][n_ctx × head_dim], so attention streams each head's keys
  * and values contiguously (keys in the transposed groups attn.h describes). */
-static size_t head_offset(const kiln_plan *p, const kiln_op *op, int slot, int head) {
-    return ((size_t)slot * op->n_kv_heads + head) * p->n_ctx * op->head_dim;
+static uint8_t *head_at(const kiln_plan *p, const kiln_op *op, uint16_t *cache, int slot, int head) {
+    return (uint8_t *)cache + ((size_t)slot * op->n_kv_heads + head) * kiln_kv_head_bytes(op->kv_type, p->n_ctx, op->head_dim);
+}
+
+/* Row t's key (which 1) or value (which 2) of KV head `head`, into the cache in its type's layout. */
+static void store_kv(const kiln_plan *p, const kiln_op *op, int t, int head, int which, const float *row) {
+    int slot = p->slots[t], pos = p->positions[t], hd = op->head_dim;
+    uint8_t *at = head_at(p, op, which == 1 ? op->k_cache : op->v_cache, slot, head);
+    if (op->kv_type == KV_Q8_0)
+        which == 1 ? kiln_store_key_q8(row, at, pos, hd) : kiln_store_value_q8(row, at, pos, hd);
+    else if (which == 1)
+        kiln_store_key(row, (uint16_t *)at, pos, hd);
+    else
+        kiln_store_half(row, (uint16_t *)at + (size_t)pos * hd, hd);
 }
 
 /* The q, k and v heads form one list (q heads, then k, then v); a chunk is `chunk_heads` consecutive
@@ -115,15 +128,12 @@ static void qkv_commit(void *ctx, int c, int thread) {
         qkv_head(op, h, &which, &head);
         for (int t = 0; t < j->n_rows; t++) {
             const float *row = y + (size_t)t * width + (h - h0) * hd;
-            size_t base = head_offset(p, op, p->slots[t], head);
             if (op->qk_norm_whole && which < 2)
                 memcpy(op->qk_raw + ((size_t)t * (op->n_heads + op->n_kv_heads) + h) * hd, row, sizeof(float) * hd);
             else if (which == 0)
                 memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
-            else if (which == 1)
-                kiln_store_key(row, op->k_cache + base, p->positions[t], hd);
             else
-                kiln_store_half(row, op->v_cache + base + (size_t)p->positions[t] * hd, hd);
+                store_kv(p, op, t, head, which, row);
         }
     }
 }
@@ -149,7 +159,7 @@ static void qk_row_commit(void *ctx, int t, int thread) {
     const float *y = scratch(j, thread);
     memcpy(op->q + (size_t)t * q_dim, y, sizeof(float) * q_dim);
     for (int g = 0; g < op->n_kv_heads; g++)
-        kiln_store_key(y + q_dim + (size_t)g * hd, op->k_cache + head_offset(p, op, p->slots[t], g), p->positions[t], hd);
+        store_kv(p, op, t, g, 1, y + q_dim + (size_t)g * hd);
 }
 
 /* A chunk's heads for every row (both rows of a precise pair), then a head's normalized row. The
@@ -168,8 +178,12 @@ static int need_heads(const kiln_op *op, kiln_bounds *b) {
     if (op->n_heads < 1 || op->n_kv_heads < 1 || op->n_heads % op->n_kv_heads || op->head_dim < 4 || op->head_dim % 4)
         return kiln_bounds_fail(b, "%d heads over %d KV heads of dim %d", op->n_heads, op->n_kv_heads, op->head_dim);
     if (b->plan->n_ctx % KEY_GROUP) return kiln_bounds_fail(b, "a context of %d is not whole key groups", b->plan->n_ctx);
+    if (op->kv_type < 0 || op->kv_type >= KV_COUNT) return kiln_bounds_fail(b, "KV cache type %d", op->kv_type);
+    if (op->kv_type != KV_F16 && op->head_dim % KV_BLOCK)
+        return kiln_bounds_fail(b, "a quantized KV cache needs a head dim that is whole blocks of %d, not %d", KV_BLOCK,
+                                op->head_dim);
     const kiln_plan *p = b->plan;
-    size_t cache = sizeof(uint16_t) * p->n_slots * op->n_kv_heads * p->n_ctx * op->head_dim;
+    size_t cache = (size_t)p->n_slots * op->n_kv_heads * kiln_kv_head_bytes(op->kv_type, p->n_ctx, op->head_dim);
     kiln_need(b, "q", op->q, sizeof(float) * p->max_rows * op->n_heads * op->head_dim);
     kiln_need(b, "k_cache", op->k_cache, cache);
     kiln_need(b, "v_cache", op->v_cache, cache);
@@ -279,11 +293,12 @@ static int attn_chunk_of(const kiln_plan *p, const kiln_op *op, int c, attn_chun
  * so the next chunk starts on this core or the other, not from memory. A short context is one tile, so
  * this is most of what a decode step's attention prefetches for its keys (docs/PERF.md, "The
  * batched step against its instruction mix"). A late worker's pointer may belong to a newer op: it only feeds a prefetch. */
-static const uint16_t *chunk_first_keys(const kiln_plan *p, const kiln_op *op, int c) {
+static const uint8_t *chunk_first_keys(const kiln_plan *p, const kiln_op *op, int c) {
     attn_chunk a;
     if (c >= p->attn_unit0[p->n_blocks] || !attn_chunk_of(p, op, c, &a)) return NULL;
     int first = a.first > a.key_lo ? a.first : a.key_lo;
-    return op->k_cache + head_offset(p, op, p->slots[a.t0], a.g) + (size_t)(first / KEY_GROUP) * KEY_GROUP * op->head_dim;
+    return head_at(p, op, op->k_cache, p->slots[a.t0], a.g) +
+           kiln_kv_head_bytes(op->kv_type, first / KEY_GROUP * KEY_GROUP, op->head_dim);
 }
 
 static void attn_compute(void *ctx, int c, int thread) {
@@ -293,11 +308,17 @@ static void attn_compute(void *ctx, int c, int thread) {
     attn_chunk a;
     if (!attn_chunk_of(p, op, c, &a)) return;
     int hd = op->head_dim, group = op->n_heads / op->n_kv_heads, q_dim = op->n_heads * hd, nq = a.rows * group;
-    size_t base = head_offset(p, op, p->slots[a.t0], a.g);
+    const uint8_t *K = head_at(p, op, op->k_cache, p->slots[a.t0], a.g), *V = head_at(p, op, op->v_cache, p->slots[a.t0], a.g);
     float *o = scratch(j, thread), *m = o + (size_t)nq * hd, *l = m + nq, *work = l + nq;
-    kiln_attend_part(op->q + (size_t)a.t0 * q_dim + (size_t)a.g * group * hd, a.rows, group, hd, q_dim,
-                     op->k_cache + base, op->v_cache + base, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
-                     op->scale, op->softcap, chunk_first_keys(p, op, c + 1), work, o, m, l);
+    const float *q = op->q + (size_t)a.t0 * q_dim + (size_t)a.g * group * hd;
+    if (op->kv_type == KV_Q8_0) {
+        kiln_attend_part_q8(q, a.rows, group, hd, q_dim, K, V, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
+                            op->scale, op->softcap, chunk_first_keys(p, op, c + 1), work, o, m, l);
+        return;
+    }
+    kiln_attend_part(q, a.rows, group, hd, q_dim, (const uint16_t *)K, (const uint16_t *)V, a.first, a.pos0,
+                     op->window, a.key_lo, a.key_hi, op->scale, op->softcap,
+                     (const uint16_t *)chunk_first_keys(p, op, c + 1), work, o, m, l);
 }
 
 static void attn_commit(void *ctx, int c, int thread) {

@@ -90,7 +90,7 @@ typedef struct kiln_op {
     kiln_norm qnorm, knorm;
     kiln_rope rope;
     float *q;                       /* [rows][n_heads*head_dim] */
-    uint16_t *k_cache, *v_cache;    /* this layer's [slots][kv heads][n_ctx][head_dim], fp16 */
+    uint16_t *k_cache, *v_cache;    /* this layer's [slots][kv heads][n_ctx][head_dim], fp16 or kv_type's blocks */
     /* chunking */
     int chunk_tiles; /* matrix ops: tiles per chunk */
     int chunk_heads; /* OP_QKV: heads per chunk */
@@ -111,6 +111,7 @@ typedef struct kiln_op {
     const float *conv_w;
     float *state;
     int conv_len, state_len;
+    int kv_type; /* KV_* (attn_quant.h): the layout of k_cache and v_cache, fp16 or quantized */
     float softcap; /* ATTN: each score, LOGITS: each logit becomes softcap * tanh(x / softcap) (Gemma 2); 0: none */
 } kiln_op;
 

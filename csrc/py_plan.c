@@ -600,6 +600,7 @@ static const struct {
     FIELD(qk_norm_whole, 'i'), FIELD(qk_raw, 'p'), FIELD(bias2, 'p'), FIELD(norm_b, 'p'), FIELD(layer_norm, 'i'),
     FIELD(activate, 'i'),
     FIELD(conv_w, 'p'), FIELD(state, 'p'), FIELD(conv_len, 'i'), FIELD(state_len, 'i'),
+    FIELD(kv_type, 'i'),
     FIELD(softcap, 'f'),
 };
 

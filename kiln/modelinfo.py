@@ -64,8 +64,8 @@ def describe(record) -> dict:
 
 
 def _footprint(record) -> dict:
-    """What loading the model allocates (packed weights, fp16 KV cache at the default context, working
-    buffers), or the file's bytes when the native core cannot say."""
+    """What loading the model allocates (packed weights, the KV cache at the default context in the type
+    KILN_KV_CACHE_TYPE names, else fp16, working buffers), or the file's bytes when the native core cannot say."""
     from kiln.errors import KilnError
     from kiln.validate import footprint
 
@@ -73,8 +73,10 @@ def _footprint(record) -> dict:
         fp = footprint(str(record.path), None)
     except (KilnError, ImportError) as e:
         return {"weights_bytes": record.path.stat().st_size, "kv_cache_bytes": None, "kv_context": None,
+                "kv_cache_type": None,
                 "working_bytes": None, "footprint_bytes": None, "footprint_note": str(e)}
     return {"weights_bytes": fp["weights_bytes"], "kv_cache_bytes": fp["kv_bytes"], "kv_context": fp["n_ctx"],
+            "kv_cache_type": fp["kv_type"],
             "working_bytes": fp["working_bytes_estimate"], "footprint_bytes": fp["total_bytes"]}
 
 

@@ -110,19 +110,25 @@ def _attention_ops(nplan) -> list[dict]:
 
 
 def kv_read_bytes(nplan, position: int) -> int:
-    """fp16 keys and values one decode row at `position` attends to: from the window's start (or 0) to
-    its own position, for every attention op — the logical amount; the kernel may load a few keys more to
-    fill its vectors."""
+    """Keys and values (in the cache's type) one decode row at `position` attends to: from the window's
+    start (or 0) to its own position, for every attention op — the logical amount; the kernel may load a
+    few keys more to fill its vectors."""
     total = 0
     for op in _attention_ops(nplan):
         first = max(0, position - op["window"] + 1) if op["window"] > 0 else 0
-        total += 2 * op["n_kv_heads"] * op["head_dim"] * 2 * (position + 1 - first)
+        total += 2 * op["n_kv_heads"] * _kv_bytes(op, position + 1 - first)
     return total
 
 
+def _kv_bytes(op: dict, positions: int) -> int:
+    from kiln.engine.kv import KV_CACHE_TYPES, kv_head_bytes
+
+    return kv_head_bytes(KV_CACHE_TYPES[op.get("kv_type", 0)], positions, op["head_dim"])
+
+
 def kv_write_bytes(nplan) -> int:
-    """fp16 key and value of one row, stored by every layer's QKV op."""
-    return sum(2 * op["n_kv_heads"] * op["head_dim"] * 2 for op in _attention_ops(nplan))
+    """The key and value of one row (in the cache's type), stored by every layer's QKV op."""
+    return sum(2 * op["n_kv_heads"] * _kv_bytes(op, 1) for op in _attention_ops(nplan))
 
 
 def state_bytes(nplan) -> tuple[int, int]:

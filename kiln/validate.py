@@ -247,11 +247,15 @@ def process_rss_bytes() -> int | None:
     return None
 
 
-def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_slots: int = 1) -> int:
-    """The engine's KV cache: fp16 keys and values per layer, slot, position and KV head, positions in whole
-    groups of 8, in whole huge pages."""
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_slots: int = 1,
+                   kv_type: str = "f16") -> int:
+    """The engine's KV cache: keys and values (fp16, or q8_0's 34 bytes a block of 32) per layer, slot,
+    position and KV head, positions in whole groups of 8, in whole huge pages."""
+    from kiln.engine.kv import kv_head_bytes
+
     kv_ctx = -(-n_ctx // 8) * 8
-    return -(-2 * 2 * n_layers * n_slots * kv_ctx * n_kv_heads * head_dim // HUGE_PAGE) * HUGE_PAGE
+    per_head = kv_head_bytes(kv_type, kv_ctx, head_dim)
+    return -(-2 * n_layers * n_slots * n_kv_heads * per_head // HUGE_PAGE) * HUGE_PAGE
 
 
 # bits per weight of a whole file: the block formats' own; Q4_K_M mixes types, 4.58 GiB for Llama-3-8B's
@@ -283,12 +287,13 @@ def catalog_need(entry) -> tuple[int | None, str]:
     return int(n * bits / 8) + kv, "parameters x bits per weight + KV cache"
 
 
-def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
+def footprint(ref: str, n_ctx: int | None, n_slots: int = 1, kv_cache: str | None = None) -> dict:
     """What loading `ref` allocates, computed from the GGUF without loading it: the packed weight arena
-    (exact: each matrix's packed size rounded as the engine places it), the KV cache (exact) and the
-    plans' working buffers (an upper-bound estimate from the shapes)."""
+    (exact: each matrix's packed size rounded as the engine places it), the KV cache of type `kv_cache`
+    (None: KILN_KV_CACHE_TYPE, else f16; exact) and the plans' working buffers (an upper-bound estimate
+    from the shapes)."""
     from kiln.engine.compile import Recorder
-    from kiln.engine.kv import recurrent_state_bytes
+    from kiln.engine.kv import check_kv_cache_type, kv_cache_type, recurrent_state_bytes
     from kiln.engine.model import DEFAULT_CTX
     from kiln.engine.native import NativeEngine, arena_bytes, heads_of, packed_names, packed_parts
     from kiln.errors import KilnError
@@ -297,6 +302,7 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
     from kiln.models.base import attention_layers
     from kiln.store import Store
 
+    kv_type = kv_cache_type(kv_cache)
     record = Store().resolve(ref)
     gguf = GGUFFile(record.path)
     try:
@@ -314,7 +320,8 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
             for ggml in packed_parts(int(t.type), rows, cols, split=name in heads_of(root)):
                 weights += arena_bytes(ggml, rows, cols)
         weights = -(-max(weights, 1) // HUGE_PAGE) * HUGE_PAGE
-        kv = kv_cache_bytes(len(attention_layers(cfg)), cfg.n_kv_heads, cfg.head_dim, n_ctx, n_slots)
+        check_kv_cache_type(kv_type, cfg.head_dim)
+        kv = kv_cache_bytes(len(attention_layers(cfg)), cfg.n_kv_heads, cfg.head_dim, n_ctx, n_slots, kv_type)
         defaults = {k: p.default for k, p in inspect.signature(NativeEngine.__init__).parameters.items()}
         # a hybrid's recurrent state: rings that reach back a step's rows (the prefill plan's)
         state = recurrent_state_bytes(cfg, n_slots, max(defaults["prefill_rows"], defaults["max_batch"] + 1))
@@ -327,13 +334,14 @@ def footprint(ref: str, n_ctx: int | None, n_slots: int = 1) -> dict:
         prefill = max(defaults["prefill_rows"], defaults["max_batch"] + 1) * per_row * 4 \
             + min(defaults["max_out"], defaults["prefill_rows"]) * cfg.vocab_size * 4
         return {"model": record.tag, "n_ctx": n_ctx, "n_slots": n_slots, "weights_bytes": weights, "kv_bytes": kv,
-                "state_bytes": state, "working_bytes_estimate": decode + prefill, "gguf_bytes": gguf.file_size(),
-                "total_bytes": weights + kv + state + decode + prefill}
+                "kv_type": kv_type, "state_bytes": state, "working_bytes_estimate": decode + prefill,
+                "gguf_bytes": gguf.file_size(), "total_bytes": weights + kv + state + decode + prefill}
     finally:
         gguf.close()
 
 
-def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int) -> tuple[Check, dict | None]:
+def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int,
+                 kv_cache: str | None = None) -> tuple[Check, dict | None]:
     total, avail = facts["mem_total_gib"], facts["mem_available_gib"]
     base = f"{total} GiB total, {avail} GiB available"
     if not model:
@@ -342,7 +350,7 @@ def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int
     from kiln.errors import KilnError
 
     try:
-        fp = footprint(model, n_ctx, n_slots)
+        fp = footprint(model, n_ctx, n_slots, kv_cache)
     except KilnError as e:
         return Check("memory fit", FAILED, f"{model}: {e}", "read the model's GGUF from the store"), \
             {"model": model, "fits": False, "error": str(e)}
@@ -351,13 +359,14 @@ def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int
     fits = avail is not None and need <= avail * 2**30
     fp.update(process_rss_bytes=rss, need_bytes=need, available_bytes=int((avail or 0) * 2**30), fits=fits)
     result = (f"{fp['model']} at {fp['n_ctx']} tokens x {n_slots} slot(s) needs {need / 2**30:.2f} GiB: weights "
-              f"{fp['weights_bytes'] / MiB:.0f} MiB + KV cache {fp['kv_bytes'] / MiB:.0f} MiB + "
+              f"{fp['weights_bytes'] / MiB:.0f} MiB + KV cache ({fp['kv_type']}) {fp['kv_bytes'] / MiB:.0f} MiB + "
               + (f"recurrent state {fp['state_bytes'] / MiB:.0f} MiB + " if fp["state_bytes"] else "") + "plan arenas "
               f"<= {fp['working_bytes_estimate'] / MiB:.0f} MiB + this process {rss / MiB:.0f} MiB; {base}: "
               + ("fits" if fits else "DOES NOT FIT"))
     method = ("packed sizes of every matrix the graph multiplies (kiln's pack_size, placed as the engine places "
-              "them), KV = 2 x fp16 x attention layers x slots x context (rounded up to 8) x kv heads x head dim, "
-              "recurrent state = fp32 x slots x (a step's rows + taps - 1) x the convolution layers' widths, plan "
+              "them), KV = 2 x attention layers x slots x context (rounded up to 8) x kv heads x head dim x 2 bytes "
+              "(fp16) or 34/32 bytes (q8_0), recurrent state = fp32 x slots x (a step's rows + taps - 1) x the "
+              "convolution layers' widths, plan "
               "arenas an upper bound from the shapes, this process's VmRSS; against MemAvailable. The GGUF file itself "
               f"({fp['gguf_bytes'] / MiB:.0f} MiB) is memory-mapped: page cache, reclaimable, not counted")
     return Check("memory fit", PASSED if fits else FAILED, result, method, fp), fp
@@ -602,7 +611,7 @@ def check_dispatch(threads: int, quick: bool) -> Check:
 # ---- the whole run ---------------------------------------------------------------------------------
 
 def validate(model: str | None = None, n_ctx: int | None = None, n_slots: int = 1, threads: int | None = None,
-             quick: bool = False) -> dict:
+             quick: bool = False, kv_cache: str | None = None) -> dict:
     from kiln import __version__
     from kiln.machine import facts as machine_facts
 
@@ -615,7 +624,7 @@ def validate(model: str | None = None, n_ctx: int | None = None, n_slots: int = 
     if info is not None:
         checks += [check_isa(), check_threads(), check_huge_pages()]
     checks.append(check_memlock(facts))
-    mem, fit = check_memory(facts, model, n_ctx, n_slots)
+    mem, fit = check_memory(facts, model, n_ctx, n_slots, kv_cache)
     checks.append(mem)
     if info is not None:
         kern = check_kernels()

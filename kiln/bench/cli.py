@@ -39,6 +39,7 @@ def perf_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch", type=_ints, default=[1], help="sequences decoding together, e.g. 1,8")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
+    p.add_argument("--kv-cache", help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
     p.add_argument("--tokens", choices=["random", "greedy"], default="random",
                    help="what the tg test feeds: random ids (llama-bench) or each sequence's greedy continuation")
     return p
@@ -69,6 +70,7 @@ def cmd_bench(args) -> int:
 
 def run_perf(a) -> int:
     from kiln.bench import perf
+    from kiln.engine.kv import kv_cache_type
     from kiln.engine.native import physical_cores
 
     threads = a.threads or [physical_cores()]
@@ -79,7 +81,8 @@ def run_perf(a) -> int:
     if a.n_prompt == 0 and a.n_gen == 0:
         raise SystemExit("kiln bench: -p 0 -n 0 leaves nothing to measure")
     report = perf.run(a.model, a.n_prompt, a.n_gen, threads, a.depth, a.batch, a.repetitions,
-                      progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr), tokens=a.tokens)
+                      progress=lambda msg: print(f"kiln bench: {msg}", file=sys.stderr), tokens=a.tokens,
+                      kv_cache=kv_cache_type(a.kv_cache))
     sys.stdout.write({"json": to_json, "csv": to_csv, "md": to_markdown}[a.output](report))
     from kiln import history
 

@@ -160,7 +160,7 @@ def memory_figures(engine, rss_before: int | None) -> dict:
 
 
 def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: list[int], batches: list[int],
-        reps: int, seed: int = 0, progress=None, tokens: str = "random") -> dict:
+        reps: int, seed: int = 0, progress=None, tokens: str = "random", kv_cache: str = "f16") -> dict:
     from kiln.engine import native  # noqa: F401  (imported before the baseline of the memory figures)
     from kiln.engine.model import load, release_free_heap
     from kiln.machine import facts
@@ -175,9 +175,10 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
         gc.collect()
         release_free_heap()  # as load() does at its end: both ends of the difference trimmed alike
         rss_before = resident_bytes()
-        model = load(model_ref, backend="native", n_ctx=n_ctx, n_slots=max(batches), threads=t, progress=False)
+        model = load(model_ref, backend="native", n_ctx=n_ctx, n_slots=max(batches), threads=t, progress=False,
+                     kv_cache=kv_cache)
         cfg = model.config
-        about = {"model": model.tag, "model_sha256": model.sha256, "model_name": cfg.name,
+        about = {"model": model.tag, "model_sha256": model.sha256, "model_name": cfg.name, "kv_cache": kv_cache,
                  "architecture": cfg.architecture, "model_size": model.gguf.file_size(),
                  "n_params": sum(t.n_elements for t in model.gguf.tensors.values())}
         rng = np.random.default_rng(seed)

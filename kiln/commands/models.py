@@ -238,7 +238,7 @@ def cmd_show(args) -> int:
     else:
         footprint = (
             f"{human_bytes(info['footprint_bytes'])} = packed weights {human_bytes(info['weights_bytes'])}"
-            f" + KV cache {human_bytes(info['kv_cache_bytes'])} ({info['kv_context']} tokens, fp16)"
+            f" + KV cache {human_bytes(info['kv_cache_bytes'])} ({info['kv_context']} tokens, {info['kv_cache_type']})"
             f" + working buffers ≤ {human_bytes(info['working_bytes'])}"
         )
     fields = [

@@ -51,6 +51,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", "--num-predict", type=int,
                    help="most tokens to generate (default, or negative: until the context is full)")
     g.add_argument("-c", "--ctx-len", type=int, help="context length (default min(model's, 4096))")
+    g.add_argument("--kv-cache", help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
     g.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
 
@@ -246,7 +247,8 @@ def cmd_run(args) -> int:
         prompt = sys.stdin.read()
     spec = spec_from_args(args)
     answer_format = output_format(args.format)
-    model = load(args.model or DEFAULT_MODEL, backend=args.backend, n_ctx=args.ctx_len, threads=args.threads)
+    model = load(args.model or DEFAULT_MODEL, backend=args.backend, n_ctx=args.ctx_len, threads=args.threads,
+                 kv_cache=args.kv_cache)
     drafter = None
     if spec.mode == "model":
         from kiln.engine.speculative import ModelDrafter
@@ -259,7 +261,8 @@ def cmd_run(args) -> int:
     chat.verbose = args.verbose
     chat.format = answer_format
     chat.think, chat.hide_thinking = think_value(args.think), args.hidethinking
-    chat.load_options = {"backend": args.backend, "n_ctx": args.ctx_len, "threads": args.threads}
+    chat.load_options = {"backend": args.backend, "n_ctx": args.ctx_len, "threads": args.threads,
+                         "kv_cache": args.kv_cache}
     if prompt:
         chat.ask(prompt)
         return 0

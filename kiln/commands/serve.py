@@ -40,6 +40,8 @@ def register(sub) -> None:
     p.add_argument("--ctx-len", "-c", type=int, default=env("KILN_CONTEXT_LENGTH"),
                    help="context length of each slot, and the most a request's num_ctx may ask for "
                         "(env KILN_CONTEXT_LENGTH; default: min(model's, 4096), and up to the model's own)")
+    p.add_argument("--kv-cache",
+                   help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
     p.add_argument("--max-queue", type=int, default=env("KILN_MAX_QUEUE", "64"),
                    help="requests that may wait for a slot; more get 503 (env KILN_MAX_QUEUE; default 64)")
     p.add_argument("--keep-alive", default=env("KILN_KEEP_ALIVE", "5m"),
@@ -76,6 +78,7 @@ def register(sub) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from kiln.engine.kv import kv_cache_type
     from kiln.errors import KilnError
     from kiln.server.app import create_app
     from kiln.server.runtime import Settings, parse_keep_alive
@@ -100,7 +103,7 @@ def cmd_serve(args) -> int:
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
                         threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
                         speculative=spec_from_args(args), draft_model=args.draft_model, max_loaded=args.max_loaded,
-                        max_memory=max_memory)
+                        max_memory=max_memory, kv_cache=kv_cache_type(args.kv_cache))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store()
     for blob in store.prune():  # uploads (POST /api/blobs) that no /api/create took

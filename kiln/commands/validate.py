@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("--model", help="tag or .gguf path to check for fit (not loaded; read from its GGUF)")
     p.add_argument("-c", "--ctx", type=int, help="context length for the fit check (default min(model's, 4096))")
     p.add_argument("--slots", type=int, default=1, help="KV slots (parallel sequences) for the fit check")
+    p.add_argument("--kv-cache", help="KV cache type for the fit check: f16 or q8_0 (env KILN_KV_CACHE_TYPE; "
+                                      "default f16)")
     p.add_argument("-t", "--threads", type=int, help="threads for the self-tests (default: physical cores)")
     p.add_argument("--quick", action="store_true", help="smaller buffers and fewer repetitions")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -30,7 +32,7 @@ def cmd_validate(args) -> int:
         raise SystemExit("kiln validate: --threads must be at least 1")
     if args.slots < 1:
         raise SystemExit("kiln validate: --slots must be at least 1")
-    report = validate(args.model, args.ctx, args.slots, args.threads, args.quick)
+    report = validate(args.model, args.ctx, args.slots, args.threads, args.quick, kv_cache=args.kv_cache)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:

@@ -87,8 +87,10 @@ class Lowering:
     `matrix(name)` → packed matrix (has .address, .layout), `vector(name)` → float32 array."""
 
     def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes,
-                 negate_layer: int | None = None, state=None):
-        """`state(layer)`: a convolution layer's rings (float32, [slots][ring][width]) and ring length."""
+                 negate_layer: int | None = None, state=None, kv_type: int = 0):
+        """`state(layer)`: a convolution layer's rings (float32, [slots][ring][width]) and ring length.
+        `kv_type`: the KV cache's layout, an index into kiln.engine.kv.KV_CACHE_TYPES."""
+        self.kv_type = kv_type
         self.n, self.weights, self.cfg, self.rows, self.out_rows = native, weights, config, rows, out_rows
         self.state = state
         self.n_ctx, self.threads, self.kv, self.ropes = n_ctx, threads, kv, ropes
@@ -319,7 +321,7 @@ class Lowering:
         heads = attn.n_heads + 2 * attn.n_kv_heads
         chunk_heads = -(-heads // (2 * self.threads))
         common = dict(layer=layer, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=hd, q=q,
-                      k_cache=k_cache, v_cache=v_cache)
+                      k_cache=k_cache, v_cache=v_cache, kv_type=self.kv_type)
         self._emit(kind=self.n.OP_QKV, op_class=self.n.OPC_MATMUL, **fields, **index, **norms, **common, precise=int(h in self.precise),
                    chunk_heads=chunk_heads,
                    **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim if rope else 0,

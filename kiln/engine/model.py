@@ -40,10 +40,15 @@ class Model:
 
 
 def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: int = 1,
-         threads: int | None = None, store=None, progress: bool = True, pool=None) -> Model:
+         threads: int | None = None, store=None, progress: bool = True, pool=None,
+         kv_cache: str | None = None) -> Model:
     """Load a model by tag or GGUF path, pulling catalog tags that are not installed yet. `pool`: a native
-    thread pool shared with other loaded models (the server's), instead of one of the engine's own."""
+    thread pool shared with other loaded models (the server's), instead of one of the engine's own.
+    `kv_cache`: the KV cache's type (None: KILN_KV_CACHE_TYPE, else f16)."""
+    from kiln.engine.kv import kv_cache_type
     from kiln.store import Store
+
+    kv_type = kv_cache_type(kv_cache)
 
     if backend not in BACKENDS:
         raise KilnError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -58,7 +63,7 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
     if not 1 <= n_ctx <= cfg.context_length:
         raise KilnError(f"context length {n_ctx} is outside 1..{cfg.context_length}, the most {record.tag} supports")
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir=cache_dir)
-    engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, record.sha256, pool)
+    engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, record.sha256, pool, kv_type)
     release_free_heap()
     load_ms = (time.perf_counter() - t0) * 1e3
     return Model(record.tag, Path(record.path), record.sha256, gguf, cfg, tokenizer, engine, n_ctx, load_ms,
@@ -74,12 +79,13 @@ def release_free_heap() -> None:
         pass
 
 
-def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256, pool=None) -> Engine:
+def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256, pool=None,
+                kv_type: str = "f16") -> Engine:
     """The native core when it is built (or asked for), else the numpy oracle."""
     from kiln.engine import native
     from kiln.engine.oracle import OracleEngine
 
     if backend == "oracle" or (backend == "auto" and not native.available()):
-        return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots)
+        return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots, kv_type=None if kv_type == "f16" else kv_type)
     return native.NativeEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots, threads=threads, cache_dir=cache_dir,
-                               gguf_sha256=gguf_sha256, pool=pool)
+                               gguf_sha256=gguf_sha256, pool=pool, kv_type=kv_type)

@@ -22,7 +22,8 @@ from gguf import quants as gguf_quants
 from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.interface import Limits
-from kiln.engine.kv import StateWindow, check_span, recurrent_state_bytes
+from kiln.engine.kv import (KV_CACHE_TYPES, StateWindow, check_kv_cache_type, check_span, kv_head_bytes,
+                            recurrent_state_bytes)
 from kiln.engine.oracle import rope_angles
 from kiln.engine.repack_cache import RepackCache
 from kiln.errors import KilnError, RequestError
@@ -298,7 +299,7 @@ class NativePlan:
                  arena=None):
         e = engine
         low = Lowering(_native, e.weights, e.config, rows, out_rows, e.n_ctx, e.pool.threads, e.kv_layer, e.rope_table,
-                       e.negate_layer, state=e.state_layer)
+                       e.negate_layer, state=e.state_layer, kv_type=KV_CACHE_TYPES.index(e.kv_type))
         low.lower(root)
         inputs = {name: Buf(4 * rows) for name in ("tokens", "slots", "positions", "row_sel")}
         size, gaps = assign_offsets(low.ops, [low.logits, low.hidden, *inputs.values()], reuse=not keep_all,
@@ -342,10 +343,11 @@ class NativeEngine:
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
                  cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
-                 gguf_sha256: str | None = None, guard: bool = False, pool=None):
+                 gguf_sha256: str | None = None, guard: bool = False, pool=None, kv_type: str = "f16"):
         """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests. `pool`: a
         thread pool shared with other engines (their steps must never overlap: scheduler.Turns); by
-        default the engine makes its own of `threads`."""
+        default the engine makes its own of `threads`. `kv_type`: the KV cache's type
+        (kiln.engine.kv.KV_CACHE_TYPES)."""
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
@@ -361,12 +363,14 @@ class NativeEngine:
         cfg = self.config
         # keys are stored in groups of 8 positions (csrc/attn.h), so the cache holds whole groups
         self.kv_ctx = -(-n_ctx // 8) * 8
-        kv_elems = n_slots * self.kv_ctx * cfg.n_kv_heads * cfg.head_dim
+        check_kv_cache_type(kv_type, cfg.head_dim)
+        self.kv_type = kv_type
+        kv_bytes = n_slots * cfg.n_kv_heads * kv_head_bytes(kv_type, self.kv_ctx, cfg.head_dim)
         # only attention layers have KV; a hybrid's others keep a recurrent state instead
         self.kv_index = {layer: i for i, layer in enumerate(attention_layers(cfg))}
-        self.kv_arena = _native.Arena(max(2 * 2 * len(self.kv_index) * kv_elems, 1))
-        self._kv = np.frombuffer(self.kv_arena, dtype=np.uint16)[: 2 * len(self.kv_index) * kv_elems].reshape(
-            len(self.kv_index), 2, kv_elems)
+        self.kv_arena = _native.Arena(max(2 * len(self.kv_index) * kv_bytes, 1))
+        self._kv = np.frombuffer(self.kv_arena, dtype=np.uint8)[: 2 * len(self.kv_index) * kv_bytes].reshape(
+            len(self.kv_index), 2, kv_bytes)
         self.ropes: dict[Rope, tuple[np.ndarray, np.ndarray]] = {}
         rows = max(prefill_rows, max_batch + 1)
         self.limits = Limits(rows=rows, batch=max_batch, out_rows=min(max_out, rows))
@@ -518,8 +522,8 @@ class NativeEngine:
         """Copy KV positions [0, length) — in whole key groups of 8, which only adds positions the
         destination does not use yet."""
         cfg = self.config
-        kv = self._kv.reshape(len(self.kv_index), 2, self.n_slots, cfg.n_kv_heads, self.kv_ctx * cfg.head_dim)
-        n = -(-length // 8) * 8 * cfg.head_dim
+        kv = self._kv.reshape(len(self.kv_index), 2, self.n_slots, cfg.n_kv_heads, -1)
+        n = kv_head_bytes(self.kv_type, -(-length // 8) * 8, cfg.head_dim)
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
         for rings, snap in zip(self._state.values(), self._snapshots.values()):
             rings[dst], snap[dst] = rings[src], snap[src]

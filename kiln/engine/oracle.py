@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.engine.interface import Limits
-from kiln.engine.kv import ConvState, KVCache, check_span
+from kiln.engine.kv import ConvState, KVCache, check_kv_cache_type, check_span
 from kiln.gguf import GGUFFile
 from kiln.models import Family
 from kiln.models.base import Attention, Rope, ShortConv
@@ -139,13 +139,18 @@ class OracleEngine:
     threads = None
     limits = Limits(out_rows=Limits.rows)  # no plans: every row of a step may return logits
 
-    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32):
+    def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32,
+                 kv_type: str | None = None):
         """`kv_dtype=np.float16` stores the cache the way the native engine does, so tests can hold the
-        native plan to float32 tolerances on float weights."""
+        native plan to float32 tolerances on float weights; `kv_type="q8_0"` rounds it as the native q8_0
+        cache does."""
         self.gguf, self.config, self.forward_fn = gguf, family.config, family.forward
         self.n_ctx, self.n_slots = n_ctx, n_slots
         cfg = self.config
-        self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        if kv_type is not None:
+            check_kv_cache_type(kv_type, cfg.head_dim)
+        self.kv_type = kv_type or "f16"
+        self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, kv_dtype, kv_type)
         convs = {i: layer for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)}
         # rewinds of up to a step's rows, as the native engine's (see StateWindow)
         self.conv = ConvState(convs, n_slots, self.limits.rows) if convs else None

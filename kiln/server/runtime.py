@@ -48,6 +48,7 @@ class Settings:
     backend: str = "auto"
     prefill_chunk: int | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)  # what requests that do not say get
+    kv_cache: str | None = None  # the KV cache's type (None: KILN_KV_CACHE_TYPE, else f16)
     draft_model: str | None = None  # loaded beside every model, to draft for it (mode "model")
     max_loaded: int = 3  # models loaded at once
     max_memory: int | None = None  # bytes the loaded models' footprints may take together; None: no cap but RAM's
@@ -260,7 +261,7 @@ class Runtime:
         refs = [str(record.path), *([s.draft_model] if s.draft_model else [])]
         total = 0
         for ref in refs:
-            total += await asyncio.to_thread(model_footprint, ref, n_ctx or s.ctx_len, s.parallel, self.store)
+            total += await asyncio.to_thread(model_footprint, ref, n_ctx or s.ctx_len, s.parallel, self.store, s.kv_cache)
         return total
 
     async def reap(self) -> None:
@@ -303,7 +304,8 @@ class Runtime:
         s = self.settings
         ref = str(record.path) if record.sha256 is None else record.tag
         model = await asyncio.to_thread(load, ref, backend=s.backend, n_ctx=n_ctx or s.ctx_len, n_slots=s.parallel,
-                                        threads=s.threads, store=self.store, progress=False, pool=self._pool)
+                                        threads=s.threads, store=self.store, progress=False, pool=self._pool,
+                                        kv_cache=s.kv_cache)
         self._pool = self._pool or model.engine.pool
         drafter = None
         if s.draft_model:
@@ -344,14 +346,15 @@ class Runtime:
                 loaded.drafter.model.close()
 
 
-def model_footprint(ref: str, n_ctx: int | None, n_slots: int, store) -> int:
-    """validate's footprint of `ref` at `n_ctx` x `n_slots`; its GGUF file's size without the native core."""
+def model_footprint(ref: str, n_ctx: int | None, n_slots: int, store, kv_cache: str | None = None) -> int:
+    """validate's footprint of `ref` at `n_ctx` x `n_slots` with a `kv_cache` KV cache; its GGUF file's size
+    without the native core."""
     from kiln.engine import native
     from kiln.validate import footprint
 
     if not native.available():
         return store.resolve(ref).path.stat().st_size
-    return footprint(ref, n_ctx, n_slots)["total_bytes"]
+    return footprint(ref, n_ctx, n_slots, kv_cache)["total_bytes"]
 
 
 def trained_context(record) -> int:
