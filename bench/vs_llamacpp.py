@@ -1,6 +1,7 @@
 """kiln against llama.cpp on one model, interleaved so both see the same machine load.
 
     python bench/vs_llamacpp.py MODEL.gguf --llama-python /path/to/venv/bin/python -t 2 --rounds 5
+    python bench/vs_llamacpp.py MODEL.gguf --llama-python ... -p 0 -n 32 --rounds 3    (decode only)
 
 Each round runs llama.cpp (bench/llamacpp_bench.py, in the Python that has llama-cpp-python) and then
 kiln (the engine in this process, loaded once), each measuring pp and tg like llama-bench: random
@@ -61,6 +62,8 @@ def main() -> None:
                                              for who, r in row.items()), file=sys.stderr)
     summary = {}
     for test in ("pp", "tg"):
+        if test not in rounds[0]["kiln"]:  # -p 0 or -n 0 leaves that test out
+            continue
         k = statistics.median(r["kiln"][test] for r in rounds)
         ll = statistics.median(r["llama.cpp"][test] for r in rounds)
         per_round = statistics.median(r["kiln"][test] / r["llama.cpp"][test] for r in rounds)

@@ -27,8 +27,9 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
-# Phi-3's turn markers (llama.cpp looks <|end|> up by its text in a phi3 vocabulary), and its template
-PHI3_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Phi-4-mini's end-of-text and turn markers, after its ordinary tokens as in its own vocabulary (llama.cpp
+# finds <|end|> and <|endoftext|> by their text), and its template
+PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
 PHI3_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
@@ -177,13 +178,13 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     path = Path(path)
     w = gguf.GGUFWriter(str(path), shape.arch)
     a = shape.arch
-    w.add_name(f"random {a} {shape.dim}x{shape.n_layers}")
+    family = FAMILY_WRITERS.get(a)
+    w.add_name(f"random {family.model_name if family and family.model_name else a} {shape.dim}x{shape.n_layers}")
     w.add_context_length(shape.context_length)
     w.add_embedding_length(shape.dim)
     w.add_block_count(shape.n_layers)
     w.add_feed_forward_length(shape.ffn_dim)
     w.add_head_count(shape.n_heads)
-    family = FAMILY_WRITERS.get(a)
     if family is not None and family.head_count_kv is not None:
         w.add_array(f"{a}.attention.head_count_kv", family.head_count_kv(shape))
     else:
@@ -226,7 +227,6 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         family.tokenizer(w, shape, rng)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
-        specials += PHI3_SPECIALS if a == "phi3" else []
         tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
         if fim == "metadata":
             for role, text in FIM_TOKENS.items():
@@ -239,7 +239,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_bos_token_id(0)
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
-        w.add_chat_template(PHI3_TEMPLATE if a == "phi3" else CHATML_TEMPLATE)
+        w.add_chat_template(CHATML_TEMPLATE)
     for key, value in shape.metadata:
         _add_metadata(w, f"{a}.{key}", value)
 
@@ -467,6 +467,7 @@ class FamilyWriter:
     layer: Callable[[str, int, Shape, Callable, Callable], None] | None = None
     head_count_kv: Callable[[Shape], list[int]] | None = None
     output_norm: str = "output_norm.weight"
+    model_name: str | None = None  # general.name's stem (None: the architecture)
 
 
 def _bpe_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng, specials: list[str], pre: str, bos: int, eos: int,
@@ -572,9 +573,28 @@ def _lfm2_layer(p: str, i: int, shape: Shape, matrix: Callable, norm: Callable) 
     matrix(p + "ffn_down.weight", d, shape.ffn_dim)
 
 
+def _phi3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    """Phi-4-mini's layout: a byte-level BPE vocabulary split by GPT-4o's pre-tokenizer, the specials last,
+    <|endoftext|> both BOS and EOS."""
+    tokens, merges, types = bpe_vocab(shape.vocab_size - len(PHI3_SPECIALS), [], rng)
+    eot = len(tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens + PHI3_SPECIALS)
+    w.add_token_merges(merges)
+    w.add_token_types(types + [3] * len(PHI3_SPECIALS))
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+    w.add_add_bos_token(False)
+    w.add_chat_template(PHI3_TEMPLATE)
+
+
 FAMILY_WRITERS: dict[str, FamilyWriter] = {
     "granite": FamilyWriter(_granite_metadata, _granite_tokenizer),
     "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
     "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
     "lfm2": FamilyWriter(_lfm2_metadata, None, _lfm2_layer, _lfm2_head_count_kv, "token_embd_norm.weight"),
+    # llama.cpp gives a file whose name says "phi3" or "phi-3" Phi-3's SentencePiece token attributes, and
+    # fails on a byte-level vocabulary without </s>, <unk> and <s>; Phi-4-mini's files are named "Phi 4 ..."
+    "phi3": FamilyWriter(lambda w, shape: None, _phi3_tokenizer, model_name="Phi-4-mini-like"),
 }

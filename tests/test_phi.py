@@ -225,3 +225,22 @@ def test_kiln_run_answers_on_the_native_engine(shape, tmp_path, capsys):
     assert main(["run", str(path), "Hello there", "--backend", "native", "-n", "8", "-c", "128",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_phi3_vocabulary_has_phi4_minis_layout(tmp_path):
+    """Specials after the ordinary tokens, <|endoftext|> as BOS and EOS, GPT-4o's pre-tokenizer, and a name
+    without "phi3": llama.cpp gives such a name Phi-3's SentencePiece attributes, looking up </s>, <unk> and
+    <s>, which a byte-level vocabulary lacks, and refuses the file."""
+    from kiln.tokenizer import Tokenizer
+
+    gguf = GGUFFile(write_random_gguf(tmp_path / "v.gguf", "tiny-phi3", seed=3))
+    md, tokens = gguf.metadata, list(gguf.metadata["tokenizer.ggml.tokens"])
+    assert len(tokens) == SHAPES["tiny-phi3"].vocab_size
+    assert tokens[-5:] == ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+    assert md["tokenizer.ggml.bos_token_id"] == md["tokenizer.ggml.eos_token_id"] == tokens.index("<|endoftext|>")
+    assert md["tokenizer.ggml.pre"] == "gpt-4o"
+    name = md["general.name"].lower()
+    assert "phi3" not in name and "phi-3" not in name
+    tok = Tokenizer.from_gguf(gguf)
+    assert {tokens.index("<|end|>"), tokens.index("<|endoftext|>")} <= tok.stop_ids
+    assert tok.encode("<|user|>\nHi<|end|>\n")[0] == tokens.index("<|user|>")
