@@ -40,6 +40,12 @@ class Shape:
     context_length: int = 2048
     tied: bool = True
     sliding_window: int = 8
+    # mixture of experts (0: a dense MLP): experts, experts each row uses, an expert's and the shared
+    # expert's widths
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
 
 
 SHAPES = {
@@ -48,6 +54,13 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-qwen3moe": Shape("qwen3moe", 64, 2, 4, 2, 16, 192, 512, tied=False, n_experts=8, n_experts_used=2,
+                           expert_ffn_dim=96),
+    "tiny-qwen2moe": Shape("qwen2moe", 64, 2, 4, 2, 16, 192, 512, n_experts=8, n_experts_used=2,
+                           expert_ffn_dim=64, shared_ffn_dim=128),
+    # Qwen3-30B-A3B's shape (48 layers; benchmarks cut the layer count)
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, context_length=40960, tied=False,
+                           n_experts=128, n_experts_used=8, expert_ffn_dim=768),
 }
 
 
@@ -131,6 +144,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+    if shape.n_experts:
+        _add_expert_counts(w, shape)
     if tokenizer is not None:
         for key, (value, vtype, sub_type) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type)
@@ -181,16 +196,19 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         matrix(p + "attn_k.weight", kv_dim, shape.dim)
         matrix(p + "attn_v.weight", kv_dim, shape.dim)
         matrix(p + "attn_output.weight", shape.dim, q_dim)
-        if a == "qwen2":
+        if a in ("qwen2", "qwen2moe"):
             for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 _add(w, p + f"attn_{n}.bias", _tensor(rng, (d,), 0.5), QT.F32)
-        if a in ("qwen3", "gemma3"):
+        if a in ("qwen3", "gemma3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", hd)
             norm(p + "attn_k_norm.weight", hd)
         norm(p + "ffn_norm.weight", shape.dim)
-        matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
-        matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
-        matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+        if shape.n_experts:
+            _add_experts(w, rng, p, shape, qtype)
+        else:
+            matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+            matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+            matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
         if a == "gemma3":
             norm(p + "post_attention_norm.weight", shape.dim)
             norm(p + "post_ffw_norm.weight", shape.dim)
@@ -249,12 +267,35 @@ def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
     if qtype in _RANDOM_BLOCKS:
-        rows, cols = data.shape
+        rows, cols = int(np.prod(data.shape[:-1])), data.shape[-1]
         rng = np.random.default_rng(data.view(np.uint32).ravel()[:8])  # the model's seed decides the bits
-        writer.add_tensor(name, _random_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+        blocks = _random_blocks(rng, rows, cols, qtype)
+        writer.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
     elif qtype == QT.F32:
         writer.add_tensor(name, data)
     elif qtype == QT.F16:
         writer.add_tensor(name, data.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _add_expert_counts(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_expert_count(shape.n_experts)
+    w.add_expert_used_count(shape.n_experts_used)
+    w.add_expert_feed_forward_length(shape.expert_ffn_dim)
+    if shape.shared_ffn_dim:
+        w.add_expert_shared_feed_forward_length(shape.shared_ffn_dim)
+
+
+def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT) -> None:
+    """One layer's router, experts (3-D, as llama.cpp's converter stacks them) and shared expert. Routers
+    stay float32, as llama.cpp's quantizer leaves them."""
+    n, dim, ff = shape.n_experts, shape.dim, shape.expert_ffn_dim
+    _add(w, p + "ffn_gate_inp.weight", _tensor(rng, (n, dim), 1.0 / np.sqrt(dim)), QT.F32)
+    for name, rows, cols in (("gate", ff, dim), ("up", ff, dim), ("down", dim, ff)):
+        _add(w, p + f"ffn_{name}_exps.weight", _tensor(rng, (n, rows, cols), 1.0 / np.sqrt(cols)), qtype)
+    if shape.shared_ffn_dim:
+        sff = shape.shared_ffn_dim
+        for name, rows, cols in (("gate", sff, dim), ("up", sff, dim), ("down", dim, sff)):
+            _add(w, p + f"ffn_{name}_shexp.weight", _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)
+        _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)

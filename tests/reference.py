@@ -42,8 +42,25 @@ def hf_model(path: Path):
         arch = _architecture(path)
         if arch in _BUILDERS:
             return hf_model_from_gguf(path, _BUILDERS[arch])
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     **_unread_config(path, arch))
     return model.eval()
+
+
+# Config fields transformers' GGUF reader leaves at its defaults, from the keys that hold them
+_UNREAD_BY_GGUF_READER = {
+    "qwen3moe": {"moe_intermediate_size": "expert_feed_forward_length"},
+    "qwen2moe": {"moe_intermediate_size": "expert_feed_forward_length",
+                 "shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
+}
+
+
+def _unread_config(path: Path, arch: str) -> dict:
+    import gguf
+
+    fields = _UNREAD_BY_GGUF_READER.get(arch, {})
+    meta = _metadata(gguf.GGUFReader(path)) if fields else {}
+    return {name: meta[f"{arch}.{key}"] for name, key in fields.items() if f"{arch}.{key}" in meta}
 
 
 def _architecture(path: Path) -> str:

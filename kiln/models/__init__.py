@@ -9,11 +9,12 @@ from typing import Callable
 
 from kiln.errors import UnsupportedModelError
 from kiln.gguf import GGUFFile
-from kiln.models import gemma3, llama, qwen
+from kiln.models import gemma3, llama, qwen, qwenmoe
 from kiln.models.base import Meta, ModelConfig
 from kiln.models.check import check_tensors, check_tokenizer_metadata
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3,
+                                   "qwen2moe": qwenmoe, "qwen3moe": qwenmoe}
 
 
 @dataclass(frozen=True)

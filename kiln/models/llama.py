@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.models.base import Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope, output_weight, rope_scale
+from kiln.models.base import (Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope, output_weight,
+                              refuse_experts, rope_scale)
 
 
 @dataclass
@@ -25,7 +26,10 @@ class LlamaConfig(ModelConfig):
     qk_norm: bool = False
 
 
-def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
+def config_from_gguf(m: Meta, neox: bool = False, dense: bool = True, **switches) -> LlamaConfig:
+    """`dense=False`: the caller's family reads the expert keys itself (qwenmoe.py)."""
+    if dense:
+        refuse_experts(m)
     cfg = LlamaConfig(**base_config(m), **switches)
     m.absent("attention.sliding_window", f"kiln's {m.arch} family attends over the whole context")
     rope = Rope(
@@ -41,7 +45,8 @@ def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
     return cfg
 
 
-def block(op: Ops, cfg: LlamaConfig, i: int, x):
+def attention_block(op: Ops, cfg: LlamaConfig, i: int, x):
+    """The residual stream after layer i's attention."""
     p, attn = f"blk.{i}.", cfg.layers[i]
     h = op.rmsnorm(x, p + "attn_norm.weight", cfg.norm_eps)
     q, k, v = (op.linear(h, p + f"attn_{n}.weight", p + f"attn_{n}.bias" if cfg.qkv_bias else None) for n in "qkv")
@@ -50,8 +55,12 @@ def block(op: Ops, cfg: LlamaConfig, i: int, x):
         k = op.rmsnorm(k, p + "attn_k_norm.weight", cfg.norm_eps, heads=attn.n_kv_heads)
     q = op.rope(q, attn.rope, attn.n_heads)
     k = op.rope(k, attn.rope, attn.n_kv_heads)
-    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"))
+    return op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"))
 
+
+def block(op: Ops, cfg: LlamaConfig, i: int, x):
+    p = f"blk.{i}."
+    x = attention_block(op, cfg, i, x)
     h = op.rmsnorm(x, p + "ffn_norm.weight", cfg.norm_eps)
     return op.add(x, op.linear(op.glu(h, p + "ffn_gate.weight", p + "ffn_up.weight", "silu"), p + "ffn_down.weight"))
 
