@@ -20,6 +20,7 @@ enum {
     OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
     OP_LOGITS,     /* logits[i] = W·act[row_sel[i]] */
+    OP_MOE,        /* out = residual + Σ top-k router weights · expert GLUs (+ a shared expert) */
     OP_COUNT
 };
 
@@ -34,6 +35,9 @@ enum {
 };
 
 enum { ACT_SILU, ACT_GELU_TANH };
+
+/* OP_MOE: how router logits become the chosen experts' weights */
+enum { MOE_SOFTMAX /* softmax over every expert, then the top n_used */ };
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
 #define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
@@ -94,6 +98,18 @@ typedef struct kiln_op {
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
+    /* OP_MOE (op_moe.c): the router is w (reading act[w_act]); each expert tensor is a table of n_experts
+     * matrices; a shared expert's are single matrices (NULL: none), its scale a 1-row matrix (NULL: 1) */
+    int n_experts, n_used, moe_gating, moe_normalize;
+    int ff, shared_ff;                               /* an expert's and the shared expert's widths */
+    const kiln_wmat *const *exp_gate, *const *exp_up, *const *exp_down;
+    int exp_act, sh_act, sh_scale_act;               /* act[] the experts, the shared expert, its scale read */
+    const kiln_wmat *sh_gate, *sh_up, *sh_down, *sh_scale;
+    int down_tiles;                                  /* down projections' tiles per chunk */
+    int32_t *moe_route;                              /* routing (op_moe.c), kiln_moe_route_ints */
+    float *moe_gates;                                /* [rows][n_experts] logits, [rows][n_used] weights, [rows] */
+    uint8_t *moe_x, *moe_h, *moe_hs;                 /* rows gathered by expert; GLU outputs (experts, shared) */
+    float *moe_y;                                    /* down projections: [rows*n_used + rows][rows] */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;
