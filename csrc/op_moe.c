@@ -260,14 +260,16 @@ typedef struct {
     uint8_t *q;
 } up_scratch;
 
+/* The gate's results come last: a shared expert's full chunk (every row) ends where the scratch ends, so a
+ * guarded plan sees an undersized scratch. */
 static up_scratch up_scratch_of(const job *j, int thread) {
     const int R = j->plan->max_rows;
     size_t cr = 4 * (size_t)j->op->chunk_tiles;
     up_scratch s;
-    s.g = scratch(j, thread);
-    s.u = s.g + R * cr;
-    s.residual = s.u + R * cr;
-    s.q = (uint8_t *)(s.residual + cr);
+    s.q = (uint8_t *)scratch(j, thread);
+    s.residual = (float *)s.q + (2 * R * glu_act_stride((int)cr) + 3) / 4;
+    s.u = s.residual + cr;
+    s.g = s.u + R * cr;
     return s;
 }
 

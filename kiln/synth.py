@@ -118,11 +118,15 @@ FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_mi
 
 def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, embed_qtype: QT | None = None,
                       seed: int = 0, tokenizer_from: str | Path | None = None, fim: str | None = None,
+                      random_blocks: bool = False,
                       **overrides) -> Path:
     """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`.
     `tokenizer_from`: copy that GGUF's tokenizer (and so its vocabulary size), e.g. to make a draft model
     for it. `fim` (byte-level vocabularies): give it fill-in-the-middle tokens, named by the
-    tokenizer.ggml.fim_*_token_id keys ("metadata") or only present by text ("vocabulary", as older files)."""
+    tokenizer.ggml.fim_*_token_id keys ("metadata") or only present by text ("vocabulary", as older files).
+    `random_blocks`: matrices of a type with scales kiln.synth knows the place of (Q4_0, Q8_0, Q4_K) are
+    written as random blocks instead of quantized random floats, which a benchmark's shapes take minutes
+    to compute."""
     if isinstance(shape, str):
         shape = SHAPES[shape]
     tokenizer = _tokenizer_fields(tokenizer_from) if tokenizer_from is not None else None
@@ -181,6 +185,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_chat_template(CHATML_TEMPLATE)
 
     def matrix(name, rows, cols, quant=qtype):
+        if random_blocks and quant in _BLOCK_SCALES:
+            w.add_tensor(name, _scaled_random_blocks(rng, (rows, cols), quant), raw_dtype=quant)
+            return
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
         _add(w, name, data, quant)
 
@@ -188,7 +195,10 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         _add(w, name, 1.0 + _tensor(rng, (n,), 0.1), QT.F32)
 
     hd, q_dim, kv_dim = shape.head_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
+    if random_blocks and (embed_qtype or qtype) in _BLOCK_SCALES:
+        matrix("token_embd.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
+    else:
+        _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
     for i in range(shape.n_layers):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", shape.dim)
@@ -204,7 +214,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
             norm(p + "attn_k_norm.weight", hd)
         norm(p + "ffn_norm.weight", shape.dim)
         if shape.n_experts:
-            _add_experts(w, rng, p, shape, qtype)
+            _add_experts(w, rng, p, shape, qtype, random_blocks)
         else:
             matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
             matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
@@ -287,15 +297,37 @@ def _add_expert_counts(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_expert_shared_feed_forward_length(shape.shared_ffn_dim)
 
 
-def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT) -> None:
+def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, random_blocks: bool) -> None:
     """One layer's router, experts (3-D, as llama.cpp's converter stacks them) and shared expert. Routers
     stay float32, as llama.cpp's quantizer leaves them."""
     n, dim, ff = shape.n_experts, shape.dim, shape.expert_ffn_dim
     _add(w, p + "ffn_gate_inp.weight", _tensor(rng, (n, dim), 1.0 / np.sqrt(dim)), QT.F32)
     for name, rows, cols in (("gate", ff, dim), ("up", ff, dim), ("down", dim, ff)):
-        _add(w, p + f"ffn_{name}_exps.weight", _tensor(rng, (n, rows, cols), 1.0 / np.sqrt(cols)), qtype)
+        if random_blocks and qtype in _BLOCK_SCALES:
+            w.add_tensor(p + f"ffn_{name}_exps.weight", _scaled_random_blocks(rng, (n, rows, cols), qtype),
+                         raw_dtype=qtype)
+        else:
+            _add(w, p + f"ffn_{name}_exps.weight", _tensor(rng, (n, rows, cols), 1.0 / np.sqrt(cols)), qtype)
     if shape.shared_ffn_dim:
         sff = shape.shared_ffn_dim
         for name, rows, cols in (("gate", sff, dim), ("up", sff, dim), ("down", dim, sff)):
             _add(w, p + f"ffn_{name}_shexp.weight", _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)
         _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
+
+
+# Where the f16 scales of a block sit and the largest multiple of them a value reaches, for types gguf can
+# quantize to but too slowly for a benchmark's shapes (Q4_K: its 6-bit sub-block scales and minimums are
+# random too, so the reach is their largest product with a quant)
+_BLOCK_SCALES = {QT.Q4_0: ((0,), 8), QT.Q8_0: ((0,), 127), QT.Q4_K: ((0, 2), 63 * 15)}
+
+
+def _scaled_random_blocks(rng, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
+    """Random blocks of `qtype` for a tensor of `shape`, scaled so that its values are near the random float
+    weights' size (1/sqrt(cols))."""
+    (offsets, reach), (block, size) = _BLOCK_SCALES[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    cols = shape[-1]
+    raw = rng.integers(0, 256, (*shape[:-1], cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
+    for at in offsets:
+        raw[..., at : at + 2] = scale
+    return raw.reshape(*shape[:-1], -1)

@@ -68,6 +68,7 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
 
     names = kind_names()
     mats = {m.address: (name, packed_bytes(m.layout), m.layout) for name, m in engine.weights.mats.items()}
+    experts = {id(table): name for name, table in engine.weights.expert_tables.items()}
     threads = engine.pool.threads
     infos = []
     for i, op in enumerate(nplan.ops):
@@ -82,7 +83,16 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
                 m = re.match(r"blk\.(\d+)\.", name)
                 if layer is None and m and op["op_class"] not in (_native.OPC_HEAD, _native.OPC_EMBED):
                     layer = int(m[1])
-        if kind in ("MATMUL", "GLU", "LOGITS"):
+        if kind == "MOE":
+            # a decode row reads the router, its n_used experts and the shared expert (w: the router)
+            for key in ("exp_gate", "exp_up", "exp_down"):
+                weight_bytes += op["n_used"] * packed_bytes(engine.weights.matrix(experts[id(op[key])]).layout)
+            for key in ("sh_gate", "sh_up", "sh_down", "sh_scale"):
+                if op.get(key) in mats:
+                    weight_bytes += mats[op[key]][1]
+            parts = -(-op["ff"] // (4 * op["chunk_tiles"]))
+            chunks = op["n_used"] * parts + (-(-op.get("shared_ff", 0) // (4 * op["chunk_tiles"])))
+        elif kind in ("MATMUL", "GLU", "LOGITS"):
             chunks = -(-tiles // op["chunk_tiles"])
         elif kind == "QKV":
             chunks = _native.qkv_chunks(op["n_heads"] + 2 * op["n_kv_heads"], op["chunk_heads"])

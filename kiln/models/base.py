@@ -241,3 +241,13 @@ def check_rope(m: Meta, rope: Rope, head_dim: int) -> None:
 
 def output_weight(cfg: ModelConfig) -> str:
     return "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+
+
+def active_parameters(gguf: GGUFFile, cfg: ModelConfig) -> int:
+    """Parameters one token computes with: all of them, less the experts a mixture-of-experts layer's router
+    does not choose for it ((n_experts - n_used) of each 3-D expert tensor)."""
+    total = sum(t.n_elements for t in gguf.tensors.values())
+    for e in getattr(cfg, "experts", ()):
+        unused = (e.n_experts - e.n_used) / e.n_experts
+        total -= round(unused * sum(gguf.info(name).n_elements for name in (e.gate, e.up, e.down)))
+    return total

@@ -1,0 +1,191 @@
+"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE): the oracle against transformers, the native OP_MOE
+against the oracle on every ISA (prefill chunks in which some expert gets no row, batched decode whose rows
+choose different experts), and the file and plan checks around them."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from kiln import _native
+from kiln.engine.oracle import route
+from kiln.errors import ModelFileError, UnsupportedModelError
+from kiln.gguf import GGUFFile
+from kiln.models import family_for
+from kiln.synth import write_random_gguf
+from tests.reference import hf_greedy, hf_logits, rel_err
+from tests.test_models import oracle, oracle_greedy
+from tests.test_native import engines, kld
+
+MOE_FAMILIES = ["tiny-qwen3moe", "tiny-qwen2moe"]
+
+
+def prompt(n: int, seed: int = 5) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def routes(engine, ids, layer: int = 0) -> np.ndarray:
+    """The experts each row of a prefill of `ids` (from position 0) chooses in `layer`, by the oracle."""
+    engine.forward(ids, all_logits=True)
+    e = engine.config.experts[layer]
+    h = engine.last_hidden[2 * layer]  # the residual stream after layer's attention
+    w = engine.weight(f"blk.{layer}.ffn_norm.weight")
+    x = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + engine.config.norm_eps) * w
+    return route(x @ engine.weight(e.router).T, e)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MOE_FAMILIES)
+def test_moe_family_matches_transformers(shape, tmp_path):
+    path = write_random_gguf(tmp_path / f"{shape}.gguf", shape, seed=7)
+    ids = prompt(24, seed=3)
+    assert rel_err(oracle(path).forward(ids, all_logits=True), hf_logits(path, ids)) <= 1e-4
+    assert oracle_greedy(oracle(path), ids, 32) == hf_greedy(path, ids, 32)
+
+
+@pytest.mark.parametrize("shape", MOE_FAMILIES)
+def test_float_moe_matches_oracle(shape, tmp_path, isa):
+    """Prefill in chunks of 17 rows and decode steps, on the float path: float32 tolerance."""
+    path = write_random_gguf(tmp_path / f"{shape}.gguf", shape, qtype=QT.F32, seed=11)
+    native, reference = engines(path, prefill_rows=17, max_batch=4)
+    ids = prompt(40)
+    assert rel_err(native.forward(ids, all_logits=True), reference.forward(ids, all_logits=True)) < 1e-4
+    for i, t in enumerate([7, 99, 300, 12, 45]):
+        assert rel_err(native.forward([t], 0, 40 + i), reference.forward([t], 0, 40 + i)) < 1e-4
+
+
+@pytest.mark.parametrize("shape", MOE_FAMILIES)
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
+def test_quantized_moe_is_close_to_oracle(shape, qtype, tmp_path, isa):
+    path = write_random_gguf(tmp_path / f"{shape}.gguf", shape, qtype=qtype, seed=11)
+    native, reference = engines(path, prefill_rows=17, max_batch=4)
+    ids = prompt(40)
+    got, want = native.forward(ids, all_logits=True), reference.forward(ids, all_logits=True)
+    assert kld(want, got).mean() < 2e-3
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_prefill_chunk_where_experts_get_no_row(tmp_path, isa):
+    """A 3-row chunk choosing 2 of 8 experts each leaves some experts unread, on float weights."""
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen3moe", qtype=QT.F32, seed=11)
+    native, reference = engines(path)
+    ids = prompt(3)
+    chosen = routes(oracle(path), ids)
+    assert len(np.unique(chosen)) < native.config.experts[0].n_experts
+    assert rel_err(native.forward(ids, all_logits=True), reference.forward(ids, all_logits=True)) < 1e-4
+
+
+@pytest.mark.parametrize("shape", MOE_FAMILIES)
+def test_batched_decode_rows_choose_different_experts(shape, tmp_path, isa):
+    """Four sequences decode in one step; their rows choose different experts, some shared by two rows."""
+    path = write_random_gguf(tmp_path / "m.gguf", shape, qtype=QT.F32, seed=11)
+    native, reference = engines(path, n_slots=4)
+    prompts = [prompt(5 + s, seed=s) for s in range(4)]
+    for engine in (native, reference):
+        for s, ids in enumerate(prompts):
+            engine.forward(ids, slot=s)
+    tokens, slots, positions = [11, 222, 333, 444], [0, 1, 2, 3], [len(p) for p in prompts]
+    got = native.step(tokens, slots, positions, [0, 1, 2, 3])
+    want = reference.step(tokens, slots, positions, [0, 1, 2, 3])
+    assert rel_err(got, want) < 1e-4
+    chosen = [tuple(routes(oracle(path), p + [t])[-1]) for p, t in zip(prompts, tokens)]
+    assert len(set(chosen)) > 1  # the rows did not all choose the same experts
+    # a row's logits do not depend on the rows beside it
+    alone = native.step([tokens[2]], [2], [positions[2]], [0])
+    assert np.array_equal(alone[0], got[2])
+
+
+def test_threads_give_bit_identical_moe_logits(tmp_path):
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen2moe", qtype=QT.Q8_0, seed=4)
+    ids = prompt(30)
+    one, _ = engines(path, threads=1, prefill_rows=17)
+    two, _ = engines(path, threads=2, prefill_rows=17)
+    assert np.array_equal(one.forward(ids, all_logits=True), two.forward(ids, all_logits=True))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.F16])
+def test_guarded_moe_plans(qtype, tmp_path, isa):
+    """No MOE op writes outside its scratch or its buffers, and the guards change no bit."""
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen2moe", qtype=qtype, seed=5)
+    ids = prompt(34)
+    guarded, _ = engines(path, prefill_rows=17, max_batch=4, guard=True)
+    plain, _ = engines(path, prefill_rows=17, max_batch=4)
+    assert np.array_equal(guarded.forward(ids, all_logits=True), plain.forward(ids, all_logits=True))
+
+
+def test_moe_plan_checks_its_experts_and_buffers(tmp_path):
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen2moe", qtype=QT.Q8_0, seed=5)
+    native, _ = engines(path)
+    p = native.prefill_plan
+    inputs = [p.inputs[k].ctypes.data for k in ("tokens", "slots", "positions", "row_sel")]
+
+    def rebuild(**buffers):
+        merged = {k: v for k, v in {**p.buffers, **buffers}.items() if v is not None}
+        return _native.Plan(p.encoded, native.pool, merged, p.rows, p.out_rows, native.kv_ctx, native.n_slots,
+                            *inputs)
+
+    rebuild()
+    with pytest.raises(ValueError, match=r"plan op \d+ \(MOE, layer \d+\): an exp_up matrix is not one of the"):
+        rebuild(**{"blk.0.ffn_up_exps.weight expert 3": None})
+    table = native.weights.expert_table("blk.1.ffn_down_exps.weight")
+    with pytest.raises(ValueError, match=r"\(MOE, layer \d+\): exp_down needs 64 bytes at byte 0 of buffer "
+                                         r"'blk.1.ffn_down_exps.weight experts', which holds 32"):
+        rebuild(**{"blk.1.ffn_down_exps.weight experts": table[:4]})
+    with pytest.raises(ValueError, match=r"\(MOE, layer \d+\): sh_scale is not one of the matrices"):
+        rebuild(**{"blk.0.ffn_gate_inp_shexp.weight": None})
+    layout, size = _native.op_layout()
+    moe = next(n for n, op in enumerate(p.ops) if op["kind"] == _native.OP_MOE)
+
+    def patched(field: str, value: int):
+        ops = bytearray(p.encoded)
+        struct.pack_into("<i", ops, moe * size + layout[field][0], value)
+        return _native.Plan(bytes(ops), native.pool, p.buffers, p.rows, p.out_rows, native.kv_ctx, native.n_slots,
+                            *inputs)
+
+    with pytest.raises(ValueError, match=rf"plan op {moe} \(MOE, layer \d+\): 9 of 8 experts per row"):
+        patched("n_used", 9)
+    with pytest.raises(ValueError, match=r"gating 1 is not one op_moe.c computes"):
+        patched("moe_gating", 1)
+    with pytest.raises(ValueError, match=r"gate and up chunks of 4 rows cut an activation group"):
+        patched("chunk_tiles", 1)
+
+
+def test_moe_undersized_scratch_is_caught(tmp_path):
+    """The shared expert's chunks take every row: they fill the op's scratch to its end."""
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen2moe", qtype=QT.Q8_0, seed=5)
+    native, _ = engines(path, prefill_rows=17, guard=True)
+    plan = native.prefill_plan
+    i = next(n for n, op in enumerate(plan.ops) if op["kind"] == _native.OP_MOE)
+    plan.plan.undersize_scratch(i, 1)
+    with pytest.raises(RuntimeError, match=rf"plan op {i} \(MOE, layer \d+\) wrote past its \d+ floats of scratch"):
+        native.forward(prompt(plan.rows))
+
+
+def patch_u32(path, key: str, value: int):
+    """Rewrite a uint32 metadata value in place: after the key come its type (4 bytes), then the value."""
+    data = bytearray(path.read_bytes())
+    at = data.index(key.encode() + (4).to_bytes(4, "little")) + len(key) + 4
+    data[at : at + 4] = value.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_moe_files_are_checked(tmp_path):
+    ok = write_random_gguf(tmp_path / "ok.gguf", "tiny-qwen3moe", seed=1)
+    cfg = family_for(GGUFFile(ok)).config
+    assert [e.n_experts for e in cfg.experts] == [8, 8] and cfg.experts[0].normalize
+    assert not family_for(GGUFFile(write_random_gguf(tmp_path / "q2.gguf", "tiny-qwen2moe"))).config.experts[0].normalize
+    with pytest.raises(ModelFileError, match=r"'blk.0.ffn_gate_inp.weight' has wrong shape; expected \[64, 7\], "
+                                             r"got \[64, 8\]"):
+        family_for(GGUFFile(patch_u32(write_random_gguf(tmp_path / "a.gguf", "tiny-qwen3moe"), "qwen3moe.expert_count",
+                                      7)))
+    with pytest.raises(ModelFileError, match=r"'qwen3moe.expert_used_count' is 9, expected an integer in 1..8"):
+        family_for(GGUFFile(write_random_gguf(tmp_path / "b.gguf", "tiny-qwen3moe", n_experts_used=9)))
+    with pytest.raises(ModelFileError, match=r"'llama.expert_count' is 4, expected an integer in 0..0"):
+        family_for(GGUFFile(write_random_gguf(tmp_path / "c.gguf", "tiny-llama", n_experts=4, n_experts_used=2,
+                                              expert_ffn_dim=32)))
+    with pytest.raises(UnsupportedModelError, match=r"'qwen3moe.expert_shared_feed_forward_length' is set"):
+        family_for(GGUFFile(write_random_gguf(tmp_path / "d.gguf", "tiny-qwen3moe", shared_ffn_dim=32)))
