@@ -189,3 +189,40 @@ def test_moe_files_are_checked(tmp_path):
                                               expert_ffn_dim=32)))
     with pytest.raises(UnsupportedModelError, match=r"'qwen3moe.expert_shared_feed_forward_length' is set"):
         family_for(GGUFFile(write_random_gguf(tmp_path / "d.gguf", "tiny-qwen3moe", shared_ffn_dim=32)))
+
+
+def test_active_parameters_and_bytes_per_decode_row(tmp_path):
+    """A token computes with 2 of 8 experts per layer; a decode row reads the router, its 2 experts and the
+    shared expert of each MOE op, and every other matrix once."""
+    from kiln.models.base import active_parameters
+    from kiln.trace import dispatch_figures, packed_bytes
+
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen2moe", qtype=QT.Q8_0, seed=5)
+    gguf = GGUFFile(path)
+    cfg = family_for(gguf).config
+    total = sum(t.n_elements for t in gguf.tensors.values())
+    experts = sum(gguf.info(f"blk.{i}.ffn_{m}_exps.weight").n_elements for i in range(2) for m in ("gate", "up", "down"))
+    assert active_parameters(gguf, cfg) == total - experts * 6 // 8
+    native, _ = engines(path)
+    w = native.weights
+    dense = sum(packed_bytes(m.layout) for name, m in w.mats.items() if "_exps." not in name)
+    per_expert = sum(packed_bytes(w.matrix(f"blk.{i}.ffn_{m}_exps.weight").layout) for i in range(2)
+                     for m in ("gate", "up", "down"))
+    assert dispatch_figures(native)["weight_bytes"] == dense + 2 * per_expert
+
+
+def test_rows_per_expert_are_counted(tmp_path):
+    """kiln trace's expert load: each step adds the rows each expert got, as the oracle routes them."""
+    from kiln.trace import expert_load
+
+    path = write_random_gguf(tmp_path / "m.gguf", "tiny-qwen3moe", qtype=QT.F32, seed=11)
+    native, _ = engines(path, prefill_rows=17)
+    native.expert_rows = {}
+    ids = prompt(20)
+    native.forward(ids)  # a chunk of 17 rows, then one of 3
+    chosen = routes(oracle(path), ids, layer=1)
+    assert sorted(native.expert_rows) == [0, 1]
+    assert native.expert_rows[1].tolist() == np.bincount(chosen.ravel(), minlength=8).tolist()
+    load = expert_load(native.expert_rows)
+    counts = np.array(load["rows_per_expert"][1])
+    assert counts.sum() == 20 * 2 and load["busiest_over_mean"][1] == counts.max() / counts.mean()

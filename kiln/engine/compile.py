@@ -19,6 +19,7 @@ scratch is C's to size (csrc/ops.h: every op family says what it needs).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,7 +271,9 @@ class Lowering:
         parts = max(-(-e.ff_dim // (4 * chunk_tiles)), -(-e.shared_ff_dim // (4 * chunk_tiles)),
                     -(-dim // (4 * down_tiles)))
         route_ints = 3 * pairs + 2 * e.n_experts + 4 * (e.n_experts + 1) * parts + 2  # kiln_moe_route_ints
-        self._emit(kind=self.n.OP_MOE, op_class=self.n.OPC_MATMUL, **self._act_fields(acts, width), rows=dim,
+        layer = re.match(r"blk\.(\d+)\.", e.router)
+        self._emit(kind=self.n.OP_MOE, op_class=self.n.OPC_MATMUL, layer=int(layer[1]) if layer else 0,
+                   **self._act_fields(acts, width), rows=dim,
                    w=w.matrix(e.router).address, w_act=router_act, n_experts=e.n_experts, n_used=e.n_used,
                    moe_gating=self.n.MOE_SOFTMAX, moe_normalize=int(e.normalize), ff=e.ff_dim,
                    exp_gate=w.expert_table(e.gate), exp_up=w.expert_table(e.up), exp_down=w.expert_table(e.down),

@@ -351,6 +351,13 @@ class NativePlan:
         self.hidden = whole[low.hidden.offset : low.hidden.offset + low.hidden.nbytes].view(np.float32).reshape(-1, dim)
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
+        # each MOE op's rows per expert in the last step (csrc/op_moe.c: `count`, after three runs of
+        # rows x n_used routing ints), for kiln trace's expert load
+        self.expert_counts = []
+        for op in low.ops:
+            if op["kind"] == _native.OP_MOE:
+                at = op["moe_route"].offset + 4 * 3 * rows * op["n_used"]
+                self.expert_counts.append((op["layer"], whole[at : at + 4 * op["n_experts"]].view(np.int32)))
         self.encoded = encode_ops(_native, low.ops, base)
         self.buffers = plan_buffers(e, self.arena)
         self.guard_gaps = np.array([(base + o, n) for o, n in gaps] if e.guard else [], np.uint64).tobytes()
@@ -407,6 +414,7 @@ class NativeEngine:
         self._root = root
         self._compile()
         self.stats = StepStats()
+        self.expert_rows: dict[int, np.ndarray] | None = None  # set to count rows per expert (kiln trace)
         self.load_ms = (time.perf_counter() - t0) * 1e3
 
     def _compile(self) -> None:
@@ -470,6 +478,9 @@ class NativeEngine:
         inp["row_sel"][:n_out] = out_rows
         native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
+        if self.expert_rows is not None:
+            for layer, counts in plan.expert_counts:
+                self.expert_rows.setdefault(layer, np.zeros(len(counts), np.int64))[:] += counts
         self._last_plan = plan
         return plan.logits[:n_out].copy()
 
