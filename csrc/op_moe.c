@@ -22,14 +22,13 @@
  *   row_of[R*k]     the row of each grouped pair
  *   count[E], start[E]   each expert's run of grouped pairs
  *   units_up[2U], units_down[2U]   (expert, part) of each chunk of the two pool phases (E: shared)
- *   n_units[2]
  * A late worker (pool.h) may read these while the next phase or step rewrites them: every index read
  * in a chunk is clamped to the buffers' extent, so such a read stays in bounds (its result is thrown
  * away). */
 #include "ops.h"
 
 typedef struct {
-    int32_t *expert_of, *slot_of, *row_of, *count, *start, *units_up, *units_down, *n_units;
+    int32_t *expert_of, *slot_of, *row_of, *count, *start, *units_up, *units_down;
 } route_view;
 
 static int parts_of(int width, int tiles) { return width < 1 ? 0 : (width + 4 * tiles - 1) / (4 * tiles); }
@@ -44,7 +43,7 @@ static int max_parts(const kiln_op *op) {
 static size_t units_cap(const kiln_op *op) { return (size_t)(op->n_experts + 1) * max_parts(op); }
 
 size_t kiln_moe_route_ints(const kiln_op *op, int rows) {
-    return 3 * (size_t)rows * op->n_used + 2 * (size_t)op->n_experts + 4 * units_cap(op) + 2;
+    return 3 * (size_t)rows * op->n_used + 2 * (size_t)op->n_experts + 4 * units_cap(op);
 }
 
 static route_view route_of(const kiln_op *op, int rows) {
@@ -57,8 +56,7 @@ static route_view route_of(const kiln_op *op, int rows) {
     r.count = at, at += op->n_experts;
     r.start = at, at += op->n_experts;
     r.units_up = at, at += 2 * u;
-    r.units_down = at, at += 2 * u;
-    r.n_units = at;
+    r.units_down = at;
     return r;
 }
 
@@ -246,11 +244,9 @@ static unit unit_of(const job *j, const int32_t *units, int c) {
 }
 
 /* Its GLU outputs: a run of rows (2 per row when precise: first rows, then second rows) */
-static uint8_t *glu_rows(const kiln_op *op, const unit *u, int R) {
-    size_t stride = kiln_act_stride(u->down->fmt, u->width);
+static uint8_t *glu_rows(const kiln_op *op, const unit *u) {
     if (u->shared) return op->moe_hs;
-    (void)R;
-    return op->moe_h + 2 * (size_t)u->slot0 * stride;
+    return op->moe_h + 2 * (size_t)u->slot0 * kiln_act_stride(u->down->fmt, u->width);
 }
 
 /* ---- up: gate, up, GLU, quantized ---- */
@@ -309,7 +305,7 @@ static void up_commit(void *ctx, int c, int thread) {
     up_scratch s = up_scratch_of(j, thread);
     size_t qs = glu_act_stride(4 * op->chunk_tiles), stride = kiln_act_stride(u.down->fmt, u.width);
     size_t bytes = kiln_act_stride(u.down->fmt, r1 - r0), at = act_col_offset(u.down->fmt, r0);
-    uint8_t *dst = glu_rows(op, &u, R);
+    uint8_t *dst = glu_rows(op, &u);
     int rows = paired(op, u.down) ? 2 * u.n : u.n;
     for (int i = 0; i < rows; i++) memcpy(dst + (size_t)i * stride + at, s.q + i * qs, bytes);
 }
@@ -325,7 +321,7 @@ static void down_compute(void *ctx, int c, int thread) {
     int r0 = u.part * 4 * op->down_tiles, r1 = r0 + 4 * op->down_tiles < op->rows ? r0 + 4 * op->down_tiles : op->rows;
     if (r0 >= r1) return;
     float *y = scratch(j, thread);
-    matmul_rows(u.down, glu_rows(op, &u, R), act_rows(op, u.down, u.n), y, r0, r1);
+    matmul_rows(u.down, glu_rows(op, &u), act_rows(op, u.down, u.n), y, r0, r1);
     fold_pairs(op, u.down, y, u.n, r1 - r0, r1 - r0);
 }
 
@@ -356,11 +352,10 @@ int64_t kiln_moe_run(kiln_plan *p, job *j) {
     const uint8_t *x = op->act[op->exp_act];
     for (int s = 0; s < n * k; s++) memcpy(op->moe_x + (size_t)s * xs, x + (size_t)r.row_of[s] * xs, xs);
 
-    int64_t wait = 0;
-    r.n_units[0] = list_units(op, &r, r.units_up, op->ff, op->shared_ff, op->chunk_tiles);
-    wait += kiln_pool_run(p->pool, up_compute, up_commit, j, r.n_units[0]);
-    r.n_units[1] = list_units(op, &r, r.units_down, dim, dim, op->down_tiles);
-    wait += kiln_pool_run(p->pool, down_compute, down_commit, j, r.n_units[1]);
+    int n_up = list_units(op, &r, r.units_up, op->ff, op->shared_ff, op->chunk_tiles);
+    int64_t wait = kiln_pool_run(p->pool, up_compute, up_commit, j, n_up);
+    int n_down = list_units(op, &r, r.units_down, dim, dim, op->down_tiles);
+    wait += kiln_pool_run(p->pool, down_compute, down_commit, j, n_down);
 
     const float *weights = weights_of(op, R), *shared_logits = shared_logits_of(op, R);
     for (int t = 0; t < n; t++) {

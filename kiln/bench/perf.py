@@ -120,8 +120,11 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
 
 def token_macs(engine, vocab: int) -> int:
     """Multiply-accumulates of one prompt token's matrix products: every packed matrix but the output head
-    (rows = the vocabulary), which a prompt runs for its last token only. Attention is not counted."""
-    return sum(lay["rows"] * lay["cols"] for lay in engine.weights.layouts.values() if lay["rows"] != vocab)
+    (rows = the vocabulary), which a prompt runs for its last token only, and of a 3-D expert tensor the
+    experts a token uses. Attention is not counted."""
+    used = {name: e.n_used for e in getattr(engine.config, "experts", ()) for name in (e.gate, e.up, e.down)}
+    return sum(lay["rows"] * lay["cols"] * used.get(name, 1) for name, lay in engine.weights.layouts.items()
+               if lay["rows"] != vocab)
 
 
 # The int8 unit each kernel variant's prefill runs on (kiln validate's peaks).

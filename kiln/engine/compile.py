@@ -270,7 +270,7 @@ class Lowering:
         rows, pairs = self.rows, self.rows * e.n_used
         parts = max(-(-e.ff_dim // (4 * chunk_tiles)), -(-e.shared_ff_dim // (4 * chunk_tiles)),
                     -(-dim // (4 * down_tiles)))
-        route_ints = 3 * pairs + 2 * e.n_experts + 4 * (e.n_experts + 1) * parts + 2  # kiln_moe_route_ints
+        route_ints = 3 * pairs + 2 * e.n_experts + 4 * (e.n_experts + 1) * parts  # kiln_moe_route_ints
         layer = re.match(r"blk\.(\d+)\.", e.router)
         self._emit(kind=self.n.OP_MOE, op_class=self.n.OPC_MATMUL, layer=int(layer[1]) if layer else 0,
                    **self._act_fields(acts, width), rows=dim,
