@@ -134,7 +134,8 @@ PEAK_UNIT = {"amx": "amx", "avx512": "avx512_vnni", "avx2": "avx2"}
 def step_bytes(engine, batch: int, positions) -> float:
     """Mean bytes a decode step of `batch` sequences reads: every packed matrix once (a split output head's
     first pass: its low bits are read only near the best logits), an embedding row and the KV cache up to
-    its position per sequence (kiln trace counts the same way)."""
+    its position per sequence (kiln trace counts the same way). Of a MOE op, one row's experts: a batch
+    reads the union of its rows' choices, so for a batch of several this is a lower bound."""
     from kiln.trace import dispatch_figures, kv_read_bytes
 
     d = dispatch_figures(engine)
