@@ -1,6 +1,7 @@
 /* Rows of GGUF tensors in their stored layout, to float: embedding lookups read one row per token
  * straight from the memory-mapped file, so the table is never copied. Portable C; a row is small. */
 #include "dequant.h"
+#include "kernels.h"
 
 #include <string.h>
 
@@ -153,6 +154,15 @@ int kiln_dequant_row(int type, const uint8_t *src, int n, float *y) {
                     y[l + 64] = d * sc[is + 4] * q3;
                     y[l + 96] = d * sc[is + 6] * q4;
                 }
+            }
+        }
+        return 0;
+    case GGML_MXFP4:
+        for (int b = 0; b < n / 32; b++, src += 17, y += 32) {
+            float d = kiln_e8m0_half(src[0]);
+            for (int j = 0; j < 16; j++) {
+                y[j] = kiln_mxfp4_values[src[1 + j] & 0xF] * d;
+                y[j + 16] = kiln_mxfp4_values[src[1 + j] >> 4] * d;
             }
         }
         return 0;

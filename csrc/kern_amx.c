@@ -147,6 +147,10 @@ static void layout_act(const uint8_t *act, size_t stride, int cols, int n, uint8
 
 /* ---- weights: 16 rows -> B tiles [block][k4][row][4] and scales ---- */
 
+/* kiln_mxfp4_values in both 128-bit lanes of a shuffle's table. */
+static const int8_t MXFP4_TWICE[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                       0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 /* Signed values of one row's full group in chunk order: v[c] holds chunks 2c, 2c+1 (the lane order). */
 ALWAYS void group_values(kiln_wfmt f, const uint8_t *q, __m512i v[4]) {
     const __m512i lo4 = _mm512_set1_epi8(15);
@@ -158,6 +162,10 @@ ALWAYS void group_values(kiln_wfmt f, const uint8_t *q, __m512i v[4]) {
         __m512i s = ld512(q + 64 * i);
         v[i] = _mm512_and_si512(s, lo4);
         v[i + 2] = _mm512_and_si512(_mm512_srli_epi16(s, 4), lo4);
+    }
+    if (f == KF_MXFP4) { /* nibbles -> the signed values kv (kernels.h): tdpbssd needs no offset */
+        const __m256i kv = _mm256_loadu_si256((const __m256i *)MXFP4_TWICE);
+        for (int i = 0; i < 4; i++) v[i] = _mm512_shuffle_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(kv), kv, 1), v[i]);
     }
     if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> +16 in chunk k */
         __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + 128)));
@@ -185,7 +193,7 @@ static int short_value(kiln_wfmt f, const uint8_t *q, int nb, int j, int i) {
     if (f == KF_Q8_0) return (int8_t)q[k * 4 * nb + b];
     int v = (q[(k & 3) * 4 * nb + b] >> (k >= 4 ? 4 : 0)) & 15;
     if (f == KF_Q5_0) v |= ((q[16 * nb + b] >> k) & 1) << 4;
-    return v;
+    return f == KF_MXFP4 ? kiln_mxfp4_values[v] : v;
 }
 
 /* Row `r` (0..15) of the slab, block `blk`: scales from header h, whose block j it is (nb blocks). */
@@ -200,6 +208,9 @@ static void block_scales(kiln_wfmt f, const uint8_t *h, int nb, int j, wscale *s
         s->d[r] = kiln_f16_to_f32((uint16_t)(h[0] | h[1] << 8));
         s->sa[r] = (int8_t)h[2 + 2 * j];
         s->sb[r] = (int8_t)h[3 + 2 * j];
+        break;
+    case KF_MXFP4:
+        s->d[r] = kiln_e8m0_half(h[j]);
         break;
     default:
         s->d[r] = kiln_f16_to_f32((uint16_t)(h[2 * j] | h[2 * j + 1] << 8));
@@ -429,6 +440,7 @@ void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, i
     case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_MXFP4: run(KF_MXFP4, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1);
     }
 }

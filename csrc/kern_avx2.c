@@ -30,6 +30,8 @@ ALWAYS __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((
 ALWAYS __m256 f16x1(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _mm256_set1_ps(_cvtsh_ss(v)); }
 ALWAYS __m256i ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+#include "mxfp4_avx2.h"
+
 /* Unpack one row's group: header h, quants q, nb blocks (chunk stride 4*nb). For a short group
    (nb < 8) the loads run past the row's data into bytes of other rows or the pack slack: lanes
    j >= nb hold garbage that meets zero activations, and their scales are masked to zero. */
@@ -44,6 +46,8 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
             p->w[L] = _mm256_and_si256(v, lo4);
             p->w[L + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
         }
+    if (f == KF_MXFP4)
+        for (int k = 0; k < 8; k++) p->w[k] = _mm256_shuffle_epi8(mxfp4_table(), p->w[k]);
     if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> bit 4 of chunk k */
         __m256i hb = ld(q + 16 * nb);
         p->w[0] = _mm256_or_si256(p->w[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
@@ -83,7 +87,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         break;
     }
     default:
-        p->d = f16x8(h);
+        p->d = f == KF_MXFP4 ? e8m0x8(h) : f16x8(h);
         if (f == KF_Q4_1) p->m = f16x8(h + 2 * nb);
         if (nb < 8) {
             __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -125,12 +129,13 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         if (f == KF_Q4_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
         break;
     }
-    case KF_Q5_0: case KF_Q5_K: { /* 5-bit: 4 pair sums per i16 */
+    case KF_Q5_0: case KF_Q5_K: case KF_MXFP4: { /* 5-bit (MXFP4: kv + 12 <= 24): 4 pair sums per i16 */
         __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(MUB(0), MUB(1)), _mm256_add_epi16(MUB(2), MUB(3)));
         __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(MUB(4), MUB(5)), _mm256_add_epi16(MUB(6), MUB(7)));
         __m256i sc = f == KF_Q5_K ? p->sc : ones;
         i32 = _mm256_add_epi32(_mm256_madd_epi16(s0, sc), _mm256_madd_epi16(s1, sc));
         if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+        if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, times12(sum32));
         break;
     }
     default: { /* Q6K, 6-bit: 2 pair sums per i16; chunks 0-3 are sub-block 2j, 4-7 sub-block 2j+1 */
@@ -158,6 +163,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
         __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
         p->w[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+        if (f == KF_MXFP4) p->w[L] = _mm256_shuffle_epi8(mxfp4_table(), p->w[L]);
         if (f == KF_Q5_0) { /* bit L -> bit 4 in the low half, bit L+4 -> bit 4 in the high half */
             __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
             hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
@@ -166,7 +172,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
     }
     __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    p->d = _mm256_and_ps(f16x8(h), mask);
+    p->d = _mm256_and_ps(f == KF_MXFP4 ? e8m0x8(h) : f16x8(h), mask);
     if (f == KF_Q4_1) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
 }
 
@@ -180,7 +186,7 @@ ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
             s[L] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p->w[L]), _mm256_sign_epi8(a, p->w[L])), ones);
         }
         i32 = _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
-    } else { /* up to 5 bits: 4 pair sums fit in i16 */
+    } else { /* up to 5 bits (or MXFP4's 0..24): 4 pair sums fit in i16 */
         __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(p->w[0], ld(ag)), _mm256_maddubs_epi16(p->w[1], ld(ag + 32))),
                                      _mm256_add_epi16(_mm256_maddubs_epi16(p->w[2], ld(ag + 64)), _mm256_maddubs_epi16(p->w[3], ld(ag + 96))));
         i32 = _mm256_madd_epi16(s, ones);
@@ -188,6 +194,7 @@ ALWAYS __m256 dot4(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
     i32 = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
     if (f == KF_Q4_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
     if (f == KF_Q5_0) i32 = _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
+    if (f == KF_MXFP4) i32 = _mm256_sub_epi32(i32, times12(sum32));
     return fstep(f, p, ag, i32, acc);
 }
 
@@ -363,6 +370,7 @@ void kiln_matmul_avx2(const kiln_wmat *w, const void *act, int n_tok, float *y, 
     case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_MXFP4: run(KF_MXFP4, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: break;
     }
 }

@@ -34,6 +34,7 @@ ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512
 ALWAYS __m512i pair(const uint8_t *q, int c, int cs) {
     return cs == 32 ? ld512(q + 32 * c) : halves(ld256(q + c * cs), ld256(q + (c + 1) * cs));
 }
+#include "mxfp4_avx2.h"
 ALWAYS __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
 /* As prep() in kern_avx2.c, including the reads past a short group's data. */
@@ -48,6 +49,8 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
             p->w[i] = _mm512_and_si512(v, lo4);
             p->w[i + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         }
+    if (f == KF_MXFP4)
+        for (int i = 0; i < 4; i++) p->w[i] = _mm512_shuffle_epi8(halves(mxfp4_table(), mxfp4_table()), p->w[i]);
     if (f == KF_Q5_0 || f == KF_Q5_K) { /* bit k of the high-bit byte -> +16 in chunk k */
         __m512i hb = _mm512_broadcast_i64x4(ld256(q + 16 * nb));
         for (int i = 0; i < 4; i++) {
@@ -77,7 +80,7 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         p->d = f16x1(h);
         break;
     default:
-        p->d = f16x8(h);
+        p->d = f == KF_MXFP4 ? e8m0x8(h) : f16x8(h);
         if (f == KF_Q4_1) p->m = f16x8(h + 2 * nb);
         if (nb < 8) {
             __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -101,6 +104,7 @@ ALWAYS __m256i offset(kiln_wfmt f, __m256i i32, const uint8_t *ag) {
     if (f == KF_Q4_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 3));
     if (f == KF_Q5_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 4));
     if (f == KF_Q8_0) return _mm256_sub_epi32(i32, _mm256_slli_epi32(sum32, 7));
+    if (f == KF_MXFP4) return _mm256_sub_epi32(i32, times12(sum32));
     return i32;
 }
 
@@ -116,6 +120,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
         __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + L * cs)));
         p->h[L] = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+        if (f == KF_MXFP4) p->h[L] = _mm256_shuffle_epi8(mxfp4_table(), p->h[L]);
         if (f == KF_Q5_0) {
             __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 16 * nb)));
             hb = _mm256_sllv_epi32(hb, _mm256_setr_epi32(4 - L, 4 - L, 4 - L, 4 - L, 0, 0, 0, 0));
@@ -124,7 +129,7 @@ ALWAYS void prep4(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow 
         }
     }
     __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    p->d = _mm256_and_ps(f16x8(h), mask);
+    p->d = _mm256_and_ps(f == KF_MXFP4 ? e8m0x8(h) : f16x8(h), mask);
     if (f == KF_Q4_1) p->m = _mm256_and_ps(f16x8(h + 2 * nb), mask);
 }
 
@@ -290,6 +295,7 @@ void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y
     case KF_Q4_K: run(KF_Q4_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q5_K: run(KF_Q5_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
+    case KF_MXFP4: run(KF_MXFP4, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: break;
     }
 }

@@ -35,6 +35,7 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
             switch (f) {
             case KF_Q8_0: w = (int8_t)q[lane_byte(nb, j, i)]; break;
             case KF_Q6_K: w = ((int8_t)h[2 + 2 * j + i / 16]) * (stored_q(f, q, nb, j, i) - 32); break;
+            case KF_MXFP4: w = kiln_mxfp4_values[stored_q(f, q, nb, j, i)] + KILN_MXFP4_OFFSET; break;
             default: w = stored_q(f, q, nb, j, i); /* Q4, Q4K, Q5K: unsigned, scale / min below; Q4S, Q5: offset below */
             }
             isum += w * x;
@@ -46,6 +47,7 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
         memcpy(&sum32, ag + KILN_AG_SUM32 + 4 * j, 4);
         if (f == KF_Q4_0) isum -= 8 * sum32;
         if (f == KF_Q5_0) isum -= 16 * sum32;
+        if (f == KF_MXFP4) isum -= KILN_MXFP4_OFFSET * sum32;
         float dx = rdf32(ag + KILN_AG_D + 4 * j), sx = rdf32(ag + KILN_AG_S + 4 * j);
         switch (f) {
         case KF_Q4_1:
@@ -58,6 +60,9 @@ static void group_dot(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, c
             break;
         case KF_Q6_K:
             acc[j] = fmaf((float)isum, rdf16(h) * dx, acc[j]);
+            break;
+        case KF_MXFP4:
+            acc[j] = fmaf((float)isum, kiln_e8m0_half(h[j]) * dx, acc[j]);
             break;
         default:
             acc[j] = fmaf((float)isum, rdf16(h + 2 * j) * dx, acc[j]);

@@ -47,6 +47,11 @@
      KF_Q5_K (Q5_K)  H: as Q4_K                              Q: nibbles 128, high 32   180 B/256
      KF_Q6_K (Q6_K)  H: d, sc[16] int8 (18 B)                Q: nibbles 128, high 64   210 B/256
                      w = d*sc_s*(q-32), q 6-bit, s = 16-weight sub-block (2j: chunks 0-3, 2j+1: 4-7)
+   Microscaling FP4 (blocks of 32, grouped as above):
+     KF_MXFP4 (MXFP4) H: e[nb] u8 (the e8m0 exponent)  Q: nibbles 16nb   w = 2^(e-128) * kv[q]   17 B/block
+                     kv = e2m1 values doubled (0, 1, 2, 3, 4, 6, 8, 12, then the same negated); the kernels read
+                     kv[q] + 12 (0..24, unsigned as vpmaddubsw / vpdpbusd want it) through a byte shuffle and
+                     subtract 12 * sum32, as Q4_0 subtracts 8 * sum32; the 5-bit formats' i16 budget holds it.
 
    ---- Float formats ---------------------------------------------------------------------------------
    KF_F32 / KF_F16 / KF_BF16: columns padded with zeros to a multiple of 16; the tile is chunks of 16
@@ -76,7 +81,7 @@
 /* ISA_AMX is AVX-512 with the AMX-INT8 tiles for many-token integer matmuls (kern_amx.c). */
 typedef enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 } kiln_isa;
 /* Repack caches store these values: a new format takes the next one. */
-typedef enum { KF_F32, KF_F16, KF_BF16, KF_Q4_1, KF_Q4_K, KF_Q5_0, KF_Q5_K, KF_Q8_0, KF_Q6_K, KF_Q4_0, KF_COUNT } kiln_wfmt;
+typedef enum { KF_F32, KF_F16, KF_BF16, KF_Q4_1, KF_Q4_K, KF_Q5_0, KF_Q5_K, KF_Q8_0, KF_Q6_K, KF_Q4_0, KF_MXFP4, KF_COUNT } kiln_wfmt;
 typedef enum { KILN_ACT_F32 = 0, KILN_ACT_Q8 = 1 } kiln_act_kind_t;
 typedef struct {
     kiln_wfmt fmt;
@@ -189,12 +194,13 @@ static inline int kiln_fmt_head_bytes(kiln_wfmt f, int nb) {
     case KF_Q4_0: case KF_Q5_0: case KF_Q8_0: return 2 * nb;
     case KF_Q4_K: case KF_Q5_K: return 20;
     case KF_Q6_K: return 18;
+    case KF_MXFP4: return nb;
     default: return 0;
     }
 }
 static inline int kiln_fmt_quant_bytes(kiln_wfmt f, int nb) {
     switch (f) {
-    case KF_Q4_1: case KF_Q4_0: case KF_Q4_K: return 16 * nb;
+    case KF_Q4_1: case KF_Q4_0: case KF_Q4_K: case KF_MXFP4: return 16 * nb;
     case KF_Q5_0: case KF_Q5_K: return 20 * nb;
     case KF_Q8_0: return 32 * nb;
     case KF_Q6_K: return 24 * nb;
@@ -217,6 +223,17 @@ static inline float kiln_f16_to_f32(uint16_t h) {
     }
     union { uint32_t u; float f; } v = {bits};
     return v.f;
+}
+
+/* MXFP4: the e2m1 values doubled (ggml's kvalues_mxfp4), plus the offset that makes them unsigned, and the
+   block scale 2^(e-128) that halves them back (ggml's e8m0_to_fp32_half: e < 2 is subnormal). */
+#define KILN_MXFP4_OFFSET 12 /* the SIMD kernels subtract it as 8x + 4x (times12) */
+static const int8_t kiln_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float kiln_e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
 }
 
 void kiln_matmul_generic(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);

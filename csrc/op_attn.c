@@ -1,10 +1,14 @@
 /* QKV and attention. QKV projects q, k and v (one list of heads, chunks of consecutive heads), adds
- * the bias, applies the per-head norm and rope, and stores k and v into the KV cache. ATTN attends over
+ * the bias, applies the per-head norm and rope, and stores k and v into the KV cache; a norm over the
+ * whole q and k projections (OLMo2) needs every head of a row first, so those rows are normalized,
+ * roped and stored in a second pass, a row per chunk. ATTN attends over
  * each row's slot in parts the threads take separately, then merges each query's parts in order. */
 #include "attn.h"
 #include "ops.h"
 
+/* A layer without rope (SmolLM3's every fourth) has dim 0. */
 static void rope(float *x, const kiln_rope *r, int pos) {
+    if (r->dim == 0) return;
     int half = r->dim / 2;
     const float *c = r->cos + (size_t)pos * half, *s = r->sin + (size_t)pos * half;
     for (int i = 0; i < half; i++) {
@@ -87,7 +91,7 @@ static void qkv_compute(void *ctx, int c, int thread) {
                 float *row = y + (size_t)t * width + off + k * hd;
                 if (bias)
                     for (int i = 0; i < hd; i++) row[i] += bias[r0 + k * hd + i];
-                if (which == 2) continue;
+                if (which == 2 || op->qk_norm_whole) continue;
                 if (norm->weight) {
                     rmsnorm(row, norm->weight, norm->eps, hd, tmp);
                     memcpy(row, tmp, sizeof(float) * hd);
@@ -112,7 +116,9 @@ static void qkv_commit(void *ctx, int c, int thread) {
         for (int t = 0; t < j->n_rows; t++) {
             const float *row = y + (size_t)t * width + (h - h0) * hd;
             size_t base = head_offset(p, op, p->slots[t], head);
-            if (which == 0)
+            if (op->qk_norm_whole && which < 2)
+                memcpy(op->qk_raw + ((size_t)t * (op->n_heads + op->n_kv_heads) + h) * hd, row, sizeof(float) * hd);
+            else if (which == 0)
                 memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
             else if (which == 1)
                 kiln_store_key(row, op->k_cache + base, p->positions[t], hd);
@@ -122,12 +128,39 @@ static void qkv_commit(void *ctx, int c, int thread) {
     }
 }
 
+/* The second pass of a whole-projection norm: row t's q and k heads (qk_raw's row), normalized and
+ * roped into scratch, then stored. */
+static void qk_row_compute(void *ctx, int t, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    int hd = op->head_dim, q_dim = op->n_heads * hd, kv_dim = op->n_kv_heads * hd;
+    const float *raw = op->qk_raw + (size_t)t * (q_dim + kv_dim);
+    float *y = scratch(j, thread);
+    rmsnorm(raw, op->qnorm.weight, op->qnorm.eps, q_dim, y);
+    rmsnorm(raw + q_dim, op->knorm.weight, op->knorm.eps, kv_dim, y + q_dim);
+    for (int h = 0; h < op->n_heads + op->n_kv_heads; h++) rope(y + (size_t)h * hd, &op->rope, j->plan->positions[t]);
+}
+
+static void qk_row_commit(void *ctx, int t, int thread) {
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    int hd = op->head_dim, q_dim = op->n_heads * hd;
+    const float *y = scratch(j, thread);
+    memcpy(op->q + (size_t)t * q_dim, y, sizeof(float) * q_dim);
+    for (int g = 0; g < op->n_kv_heads; g++)
+        kiln_store_key(y + q_dim + (size_t)g * hd, op->k_cache + head_offset(p, op, p->slots[t], g), p->positions[t], hd);
+}
+
 /* A chunk's heads for every row (both rows of a precise pair), then a head's normalized row. The
- * largest chunk is chunk_heads heads for one or two rows, a head for more (qkv_chunk_heads). */
+ * largest chunk is chunk_heads heads for one or two rows, a head for more (qkv_chunk_heads). A
+ * whole-projection norm's second pass takes a row's q and k. */
 size_t kiln_qkv_scratch(const kiln_op *op, int rows, int out_rows) {
     (void)out_rows;
     size_t few = (size_t)(rows < 2 ? rows : 2) * op->chunk_heads, many = rows > 2 ? (size_t)rows : 0;
-    return (qkv_paired(op) ? 2 : 1) * (few > many ? few : many) * op->head_dim + op->head_dim;
+    size_t heads = (qkv_paired(op) ? 2 : 1) * (few > many ? few : many) * op->head_dim + op->head_dim;
+    size_t row = op->qk_norm_whole ? (size_t)(op->n_heads + op->n_kv_heads) * op->head_dim : 0;
+    return heads > row ? heads : row;
 }
 
 static int need_heads(const kiln_op *op, kiln_bounds *b) {
@@ -157,8 +190,14 @@ void kiln_qkv_bounds(const kiln_op *op, kiln_bounds *b) {
     if (op->bq) kiln_need(b, "bq", op->bq, sizeof(float) * q_rows);
     if (op->bk) kiln_need(b, "bk", op->bk, sizeof(float) * kv_rows);
     if (op->bv) kiln_need(b, "bv", op->bv, sizeof(float) * kv_rows);
-    if (op->qnorm.weight) kiln_need(b, "qnorm.weight", op->qnorm.weight, sizeof(float) * hd);
-    if (op->knorm.weight) kiln_need(b, "knorm.weight", op->knorm.weight, sizeof(float) * hd);
+    int q_norm = op->qk_norm_whole ? q_rows : hd, k_norm = op->qk_norm_whole ? kv_rows : hd;
+    if (op->qnorm.weight) kiln_need(b, "qnorm.weight", op->qnorm.weight, sizeof(float) * q_norm);
+    if (op->knorm.weight) kiln_need(b, "knorm.weight", op->knorm.weight, sizeof(float) * k_norm);
+    if (op->qk_norm_whole) {
+        if (!op->qnorm.weight || !op->knorm.weight) kiln_bounds_fail(b, "a whole-projection norm of q and k lacks a weight");
+        kiln_need(b, "qk_raw", op->qk_raw, sizeof(float) * R * (q_rows + kv_rows));
+    }
+    if (op->rope.dim == 0 && !op->rope.cos && !op->rope.sin) return; /* a layer without rope */
     if (op->rope.dim < 2 || op->rope.dim % 2 || op->rope.dim > hd) {
         kiln_bounds_fail(b, "rope over %d of a head's %d dims", op->rope.dim, hd);
         return;
@@ -168,7 +207,11 @@ void kiln_qkv_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need(b, "rope.sin", op->rope.sin, table);
 }
 
-int64_t kiln_qkv_run(kiln_plan *p, job *j) { return kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j)); }
+int64_t kiln_qkv_run(kiln_plan *p, job *j) {
+    int64_t wait = kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j));
+    if (j->op->qk_norm_whole) wait += kiln_pool_run(p->pool, qk_row_compute, qk_row_commit, j, j->n_rows);
+    return wait;
+}
 
 /* Attention is split three ways for the pool: a block of rows (one sequence's consecutive positions),
  * a KV head, and a part of the context: keys [k*ATTN_SPAN, (k+1)*ATTN_SPAN). The parts let both threads

@@ -1,5 +1,6 @@
-/* The matrix ops: MATMUL (W·act, plus a residual as it is stored) and GLU (act(Wg·a) * (Wu·a), both
- * projections in one pass over the rows). A chunk is chunk_tiles tiles of the output rows for every
+/* The matrix ops: MATMUL (scale * act(W·act + bias), plus a residual as it is stored: Granite scales its
+ * branches) and GLU (act(Wg·a + bg) * (Wu·a + bu), both projections in one pass over the rows). A chunk is
+ * chunk_tiles tiles of the output rows for every
  * token, computed into the thread's scratch and committed (pool.h). */
 #include "ops.h"
 #include "vecmath.h"
@@ -29,6 +30,41 @@ static float activate(int kind, float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
 }
 
+#if defined(KILN_X86)
+AVX2 static void act_row_avx2(int kind, float *x, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(x + i, kind == ACT_SILU ? silu256(v) : gelu_tanh256(v));
+    }
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, x + i, sizeof(float) * (n - i));
+        __m256 v = _mm256_loadu_ps(t);
+        _mm256_storeu_ps(t, kind == ACT_SILU ? silu256(v) : gelu_tanh256(v));
+        memcpy(x + i, t, sizeof(float) * (n - i));
+    }
+}
+#endif
+
+/* x[i] = act(x[i]), in place: a GELU MLP's up projection as it is stored */
+static void act_row(int kind, float *x, int n) {
+#if defined(KILN_X86)
+    if (kiln_active_isa() >= ISA_AVX2) {
+        act_row_avx2(kind, x, n);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) x[i] = activate(kind, x[i]);
+}
+
+/* y[t][i] += bias[i] for rows [r0, r0 + n) of every token's n outputs */
+static void add_bias(const float *bias, float *y, int n_rows, int r0, int n) {
+    if (!bias) return;
+    for (int t = 0; t < n_rows; t++)
+        for (int i = 0; i < n; i++) y[(size_t)t * n + i] += bias[r0 + i];
+}
+
 /* out[i] = act(g[i]) * u[i]; the activation's exp is the only transcendental on the prefill path */
 void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n) {
 #if defined(KILN_X86)
@@ -54,11 +90,15 @@ static void need_rows_out(const kiln_op *op, kiln_bounds *b) {
 }
 
 void kiln_matmul_bounds(const kiln_op *op, kiln_bounds *b) {
+    kiln_need_scale(b, op->scale);
     kiln_need_wmat(b, "w", op->w, op->rows, op->cols);
     if (b->failed) return;
     kiln_need_act(b, op->w_act, op->w, act_rows(op, op->w, b->plan->max_rows));
     need_rows_out(op, b);
     if (op->res) kiln_need(b, "res", op->res, sizeof(float) * b->plan->max_rows * op->rows);
+    if (op->bias) kiln_need(b, "bias", op->bias, sizeof(float) * op->rows);
+    if (op->activate && op->glu_act != ACT_SILU && op->glu_act != ACT_GELU_TANH)
+        kiln_bounds_fail(b, "glu_act %d is not an activation", op->glu_act);
 }
 
 static void matmul_compute(void *ctx, int c, int thread) {
@@ -70,6 +110,11 @@ static void matmul_compute(void *ctx, int c, int thread) {
     float *y = scratch(j, thread);
     matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_rows), y, r0, r1);
     fold_pairs(op, op->w, y, j->n_rows, n, n);
+    add_bias(op->bias, y, j->n_rows, r0, n);
+    if (op->activate)
+        for (int t = 0; t < j->n_rows; t++) act_row(op->glu_act, y + (size_t)t * n, n);
+    if (op->scale != 1.0f)
+        for (size_t i = 0; i < (size_t)j->n_rows * n; i++) y[i] *= op->scale;
     if (op->res)
         for (int t = 0; t < j->n_rows; t++) {
             const float *res = op->res + (size_t)t * op->rows + r0;
@@ -100,6 +145,8 @@ void kiln_glu_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need_act(b, op->w_act, op->w, b->plan->max_rows);
     kiln_need_act(b, op->w2_act, op->w2, b->plan->max_rows);
     need_rows_out(op, b);
+    if (op->bias) kiln_need(b, "bias", op->bias, sizeof(float) * op->rows);
+    if (op->bias2) kiln_need(b, "bias2", op->bias2, sizeof(float) * op->rows);
 }
 
 static void glu_compute(void *ctx, int c, int thread) {
@@ -111,6 +158,8 @@ static void glu_compute(void *ctx, int c, int thread) {
     float *g = scratch(j, thread), *u = g + (size_t)j->n_rows * n;
     matmul_rows(op->w, op->act[op->w_act], j->n_rows, g, r0, r1);
     matmul_rows(op->w2, op->act[op->w2_act], j->n_rows, u, r0, r1);
+    add_bias(op->bias, g, j->n_rows, r0, n);
+    add_bias(op->bias2, u, j->n_rows, r0, n);
     for (int t = 0; t < j->n_rows; t++) kiln_glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 

@@ -1,4 +1,4 @@
-/* The row ops: the embedding lookup, rmsnorm and activation quantization (QUANT, NORM_QUANT), and a
+/* The row ops: the embedding lookup, RMSNorm or LayerNorm and activation quantization (QUANT, NORM_QUANT), and a
  * norm added to the residual stream (NORM_ADD). Each works a row at a time. */
 #include <errno.h>
 #include <unistd.h>
@@ -86,7 +86,10 @@ static void quantize_row(const kiln_plan *p, const kiln_op *op, int i, float *no
                          uint8_t *const *dst2, float *residual) {
     const float *x = quant_input(p, op, i);
     if (op->kind == OP_NORM_QUANT) {
-        rmsnorm(x, op->norm_w, op->eps, op->cols, norm_out);
+        if (op->layer_norm)
+            layernorm(x, op->norm_w, op->norm_b, op->eps, op->cols, norm_out);
+        else
+            rmsnorm(x, op->norm_w, op->eps, op->cols, norm_out);
         x = norm_out;
     }
     for (int k = 0; k < op->n_act; k++) {
@@ -139,6 +142,7 @@ void kiln_quant_bounds(const kiln_op *op, kiln_bounds *b) {
     if (op->kind == OP_NORM_QUANT) {
         kiln_need(b, "out", op->out, sizeof(float) * n * op->cols);
         kiln_need(b, "norm_w", op->norm_w, sizeof(float) * op->cols);
+        if (op->layer_norm) kiln_need(b, "norm_b", op->norm_b, sizeof(float) * op->cols);
     }
     static const char *const names[MAX_ACTS] = {"act[0]", "act[1]", "act[2]"};
     for (int k = 0; k < op->n_act && !b->failed; k++) {

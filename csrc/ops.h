@@ -46,6 +46,8 @@ void kiln_need(kiln_bounds *b, const char *field, const void *ptr, size_t bytes)
 void kiln_need_wmat(kiln_bounds *b, const char *field, const kiln_wmat *w, int rows, int cols);
 /* act[k] holds n_tok rows of the layout `w` consumes */
 void kiln_need_act(kiln_bounds *b, int k, const kiln_wmat *w, int n_tok);
+/* a product's scale is finite and not 0 (an op laid out without one) */
+void kiln_need_scale(kiln_bounds *b, float scale);
 /* a shape the op cannot run (printf-style reason); returns 0 so a family can stop there */
 int kiln_bounds_fail(kiln_bounds *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -93,6 +95,19 @@ static inline void rmsnorm(const float *x, const float *w, float eps, int n, flo
     float ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     float inv = 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+/* LayerNorm: the mean subtracted, then RMSNorm's arithmetic on what is left, and the bias added. */
+static inline void layernorm(const float *x, const float *w, const float *b, float eps, int n, float *out) {
+    float lane[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lane[k] += x[i + k];
+    for (; i < n; i++) lane[i & 7] += x[i];
+    float mean = (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) / n;
+    for (int i = 0; i < n; i++) out[i] = x[i] - mean;
+    rmsnorm(out, w, eps, n, out);
+    for (int i = 0; i < n; i++) out[i] += b[i];
 }
 
 /* A precise activation is two int8 rows per token, x ≈ q1·d1 + q2·d2 with the second row quantizing

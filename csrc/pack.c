@@ -7,12 +7,13 @@
 #include "kernels.h"
 
 enum { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q8_0 = 8,
-       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30 };
+       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, GGML_MXFP4 = 39 };
 
 /* GGUF types and the kernel formats they pack into, one to one. */
 static const struct { int ggml; kiln_wfmt fmt; } FORMATS[] = {
     {GGML_F32, KF_F32},   {GGML_F16, KF_F16},   {GGML_BF16, KF_BF16}, {GGML_Q4_0, KF_Q4_0}, {GGML_Q4_1, KF_Q4_1},
     {GGML_Q5_0, KF_Q5_0},   {GGML_Q8_0, KF_Q8_0},   {GGML_Q4_K, KF_Q4_K},  {GGML_Q5_K, KF_Q5_K}, {GGML_Q6_K, KF_Q6_K},
+    {GGML_MXFP4, KF_MXFP4},
 };
 
 int kiln_wfmt_for_ggml(int t) {
@@ -39,11 +40,13 @@ static int ggml_block_bytes(int t) {
     case GGML_Q4_K: return 144;
     case GGML_Q5_K: return 176;
     case GGML_Q6_K: return 210;
+    case GGML_MXFP4: return 17;
     default: return 0;
     }
 }
 static int ggml_block_weights(int t) {
-    return t == GGML_F32 || t == GGML_F16 || t == GGML_BF16 ? 1 : t >= GGML_Q4_K ? 256 : 32;
+    if (t == GGML_F32 || t == GGML_F16 || t == GGML_BF16) return 1;
+    return t == GGML_Q4_K || t == GGML_Q5_K || t == GGML_Q6_K ? 256 : 32;
 }
 
 size_t kiln_ggml_row_bytes(int t, int cols) {
@@ -104,7 +107,10 @@ static void put_high2(uint8_t *dst, const uint8_t *q) {
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
-/* ---- GGUF blocks of 32 (Q4_0 / Q4_1 / Q5_0 / Q8_0): their stored values ---- */
+/* ---- GGUF blocks of 32 (Q4_0 / Q4_1 / Q5_0 / Q8_0 / MXFP4): their stored values ---- */
+
+/* Bytes before a block of 32's quants: its scale fields (MXFP4: one e8m0 byte). */
+static int block32_head(kiln_wfmt f) { return f == KF_Q4_1 ? 4 : f == KF_Q5_0 ? 6 : f == KF_MXFP4 ? 1 : 2; }
 
 /* The 32 values block b stores: nibbles with Q5_0's 5th bits added, or Q8_0's bytes. */
 static void block32_values(kiln_wfmt f, const uint8_t *b, uint8_t *q) {
@@ -112,7 +118,7 @@ static void block32_values(kiln_wfmt f, const uint8_t *b, uint8_t *q) {
         memcpy(q, b + 2, 32);
         return;
     }
-    const uint8_t *qs = b + (f == KF_Q4_1 ? 4 : f == KF_Q5_0 ? 6 : 2);
+    const uint8_t *qs = b + block32_head(f);
     uint32_t qh = f == KF_Q5_0 ? (uint32_t)b[2] | b[3] << 8 | b[4] << 16 | (uint32_t)b[5] << 24 : 0;
     for (int i = 0; i < 16; i++) {
         q[i] = (qs[i] & 15) | ((qh >> i & 1) << 4);
@@ -126,7 +132,7 @@ static void block32_put_values(kiln_wfmt f, const uint8_t *v, uint8_t *b) {
         memcpy(b + 2, v, 32);
         return;
     }
-    uint8_t *qs = b + (f == KF_Q4_1 ? 4 : f == KF_Q5_0 ? 6 : 2);
+    uint8_t *qs = b + block32_head(f);
     uint32_t qh = 0;
     for (int i = 0; i < 16; i++) {
         qs[i] = (uint8_t)((v[i] & 15) | (v[16 + i] & 15) << 4);
@@ -138,13 +144,16 @@ static void block32_put_values(kiln_wfmt f, const uint8_t *v, uint8_t *b) {
 
 /* ---- one row's group: GGUF blocks -> header h and quants q ---- */
 
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0: nb blocks of 32 starting at src. */
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / MXFP4: nb blocks of 32 starting at src. */
 static void pack_group32(kiln_wfmt f, const uint8_t *src, int nb, uint8_t *h, uint8_t *qd) {
     uint8_t q[256];
     int bb = ggml_block_bytes(ggml_for_wfmt(f));
     for (int j = 0; j < nb; j++) {
         const uint8_t *b = src + j * bb;
-        wr16(h + 2 * j, rd16(b));
+        if (f == KF_MXFP4)
+            h[j] = b[0];
+        else
+            wr16(h + 2 * j, rd16(b));
         if (f == KF_Q4_1) wr16(h + 2 * nb + 2 * j, rd16(b + 2));
         block32_values(f, b, q + 32 * j);
     }
@@ -284,7 +293,10 @@ static void unpack_group32(kiln_wfmt f, const uint8_t *h, const uint8_t *qd, int
     get_values(f, qd, nb, q);
     for (int j = 0; j < nb; j++) {
         uint8_t *b = dst + j * bb;
-        wr16(b, rd16(h + 2 * j));
+        if (f == KF_MXFP4)
+            b[0] = h[j];
+        else
+            wr16(b, rd16(h + 2 * j));
         if (f == KF_Q4_1) wr16(b + 2, rd16(h + 2 * nb + 2 * j));
         block32_put_values(f, q + 32 * j, b);
     }

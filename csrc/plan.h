@@ -12,14 +12,15 @@
 
 enum {
     OP_EMBED,      /* x[t] = dequant(table row tok[t]) * scale */
-    OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w) for each activation kind needed */
+    OP_NORM_QUANT, /* act = quantize(rmsnorm(x) * w, or layernorm(x) * w + b) for each activation kind needed */
     OP_QUANT,      /* act = quantize(x) */
-    OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope; k, v stored into the cache */
+    OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope (or a q/k norm over the whole
+                    * projection, then rope); k, v stored into the cache */
     OP_ATTN,       /* out = softmax(q·K / sqrt) · V over each row's slot, causal (+ sliding window) */
-    OP_MATMUL,     /* out = W·act (+ residual) */
-    OP_GLU,        /* out = act(Wg·a) * (Wu·a) */
+    OP_MATMUL,     /* out = scale * [activation](W·act + bias) (+ residual) */
+    OP_GLU,        /* out = act(Wg·a + bg) * (Wu·a + bu) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
-    OP_LOGITS,     /* logits[i] = W·act[row_sel[i]] */
+    OP_LOGITS,     /* logits[i] = scale * (W·act[row_sel[i]] (+ bias)) */
     OP_MOE,        /* out = residual + Σ top-k router weights · expert GLUs (+ a shared expert) */
     OP_COUNT
 };
@@ -50,7 +51,7 @@ typedef struct {
 } kiln_norm;
 
 typedef struct {
-    const float *cos, *sin; /* [n_ctx][dim/2] */
+    const float *cos, *sin; /* [n_ctx][dim/2]; NULL with dim 0: a layer without rope */
     int dim, neox;
 } kiln_rope;
 
@@ -65,7 +66,7 @@ typedef struct kiln_op {
     /* norms */
     const float *norm_w;
     float eps;
-    float scale;
+    float scale; /* EMBED: of the rows; ATTN: of the scores; MATMUL, LOGITS: of the product */
     int select_rows; /* OP_NORM_QUANT: only the rows listed in row_sel (the final norm before logits) */
     /* activation buffers by kind: act[k] is quantized with act_fmt[k] */
     int n_act;
@@ -98,6 +99,16 @@ typedef struct kiln_op {
     int chunk_heads; /* OP_QKV: heads per chunk */
     int negate; /* debug: OP_ATTN stores -out, so tests can show the accuracy gates catch a broken layer */
     int precise; /* quantize ops: two int8 rows per token (see ops.h); matmul ops: consume such pairs */
+    /* OP_QKV: qnorm and knorm span each row's whole q and k projections (OLMo2), not a head: the chunks
+     * leave the raw q and k rows in qk_raw ([rows][(n_heads + n_kv_heads) * head_dim]), then each row is
+     * normalized, roped and stored */
+    int qk_norm_whole;
+    float *qk_raw;
+    /* bias (above): MATMUL's, GLU's gate's; bias2: GLU's up's. [rows] each, NULL: none */
+    const float *bias2;
+    const float *norm_b; /* NORM_QUANT with layer_norm: the LayerNorm's bias [cols] */
+    int layer_norm;      /* NORM_QUANT: LayerNorm (the mean subtracted, norm_b added) instead of RMSNorm */
+    int activate;        /* MATMUL: glu_act applied to W·act + bias before the scale and residual (a GELU MLP's up) */
     /* OP_MOE (op_moe.c): the router is w (reading act[w_act]); each expert tensor is a table of n_experts
      * matrices; a shared expert's are single matrices (NULL: none), its scale a 1-row matrix (NULL: 1) */
     int n_experts, n_used, moe_gating, moe_normalize;

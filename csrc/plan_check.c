@@ -84,6 +84,10 @@ void kiln_need_act(kiln_bounds *b, int k, const kiln_wmat *w, int n_tok) {
     kiln_need(b, names[k], op->act[k], kiln_act_size(w->fmt, op->cols, n_tok));
 }
 
+void kiln_need_scale(kiln_bounds *b, float scale) {
+    if (!isfinite(scale) || scale == 0.0f) kiln_bounds_fail(b, "scale is %g", (double)scale);
+}
+
 static void op_bounds(const kiln_op *op, kiln_bounds *b) {
     if (op->kind != OP_ATTN && op->cols < 1) { /* attention's widths are its heads' */
         kiln_bounds_fail(b, "%d columns", op->cols);

@@ -103,6 +103,7 @@ typedef struct {
 static const named KERNEL_FORMATS[] = {
     NAMED(KF_F32, "KF_"), NAMED(KF_F16, "KF_"), NAMED(KF_BF16, "KF_"), NAMED(KF_Q4_1, "KF_"), NAMED(KF_Q4_K, "KF_"),
     NAMED(KF_Q5_0, "KF_"), NAMED(KF_Q5_K, "KF_"), NAMED(KF_Q8_0, "KF_"), NAMED(KF_Q6_K, "KF_"), NAMED(KF_Q4_0, "KF_"),
+    NAMED(KF_MXFP4, "KF_"),
 }, ACT_KINDS[] = {NAMED(KILN_ACT_F32, "KILN_ACT_"), NAMED(KILN_ACT_Q8, "KILN_ACT_")};
 _Static_assert(sizeof KERNEL_FORMATS / sizeof *KERNEL_FORMATS == KF_COUNT, "every kernel format is named");
 

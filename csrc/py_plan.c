@@ -597,6 +597,8 @@ static const struct {
     FIELD(qnorm.eps, 'f'), FIELD(knorm.weight, 'p'), FIELD(knorm.eps, 'f'), FIELD(rope.cos, 'p'),
     FIELD(rope.sin, 'p'), FIELD(rope.dim, 'i'), FIELD(rope.neox, 'i'), FIELD(q, 'p'), FIELD(k_cache, 'p'),
     FIELD(v_cache, 'p'), FIELD(chunk_tiles, 'i'), FIELD(chunk_heads, 'i'), FIELD(negate, 'i'), FIELD(precise, 'i'),
+    FIELD(qk_norm_whole, 'i'), FIELD(qk_raw, 'p'), FIELD(bias2, 'p'), FIELD(norm_b, 'p'), FIELD(layer_norm, 'i'),
+    FIELD(activate, 'i'),
     FIELD(n_experts, 'i'), FIELD(n_used, 'i'), FIELD(moe_gating, 'i'), FIELD(moe_normalize, 'i'), FIELD(ff, 'i'),
     FIELD(shared_ff, 'i'), FIELD(exp_gate, 'p'), FIELD(exp_up, 'p'), FIELD(exp_down, 'p'), FIELD(exp_act, 'i'),
     FIELD(sh_act, 'i'), FIELD(sh_scale_act, 'i'), FIELD(sh_gate, 'p'), FIELD(sh_up, 'p'), FIELD(sh_down, 'p'),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from kiln.errors import ModelFileError, UnsupportedModelError
 QT = GGMLQuantizationType
 
 # Tensor types kiln runs. These have a repacked kernel format in the native core:
-KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+KERNEL_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4)
 # Types the `gguf` package dequantizes but kiln has no kernel for: the native engine runs their values
 # requantized to Q8_0 at load (twice or more the memory of the original, and as much slower to decode),
 # except those a kernel type holds exactly (EXACT_REWRITES), whose blocks are rewritten into it.
@@ -336,9 +337,24 @@ class GGUFFile:
 
     # --- tensor data ------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
-        if name not in self.tensors:
-            raise ModelFileError(f"{self.path}: required tensor {name!r} is missing")
-        return self.tensors[name]
+        """A tensor, or rows of one (`row_view`): a run of whole rows is contiguous in the file."""
+        view = parse_row_view(name)
+        base = view[0] if view else name
+        if base not in self.tensors:
+            raise ModelFileError(f"{self.path}: required tensor {base!r} is missing")
+        t = self.tensors[base]
+        if view is None:
+            return t
+        _, start, stop = view
+        rows = t.shape[0]
+        if not 0 <= start < stop <= rows:
+            raise ModelFileError(f"{self.path}: tensor {base!r} has {rows} rows; rows {start}..{stop} do not exist")
+        block = GGML_QUANT_SIZES[t.type][0]
+        if len(t.shape) == 1 and (start % block or stop % block):  # a vector's rows are its elements
+            raise ModelFileError(f"{self.path}: tensor {base!r} cannot be split at elements {start}..{stop} "
+                                 f"(blocks of {block})")
+        at = lambda row: tensor_nbytes(t.type, (row, *t.shape[1:]))  # noqa: E731
+        return TensorInfo(name, t.type, (stop - start, *t.shape[1:]), t.offset + at(start), at(stop) - at(start))
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored: (rows, bytes per row) uint8 for quantized types, typed for floats."""
@@ -438,3 +454,17 @@ EXACT_REWRITES = {QT.Q3_K: (QT.Q6_K, _q3k_to_q6k), QT.IQ4_NL: (QT.Q8_0, _iq4nl_t
 def rewrite_exactly(raw: np.ndarray, ggml_type: QT, rows: int) -> np.ndarray:
     """A tensor's GGUF bytes of a type in EXACT_REWRITES as the same values in its kernel type, (rows, bytes)."""
     return EXACT_REWRITES[QT(ggml_type)][1](np.ascontiguousarray(raw).view(np.uint8)).reshape(rows, -1)
+
+
+_ROW_VIEW = re.compile(r"(.+)\[(\d+):(\d+)\]")
+
+
+def row_view(name: str, start: int, stop: int) -> str:
+    """The name of rows [start, stop) of tensor `name` (elements, for a vector): how a family reads one part
+    of a fused tensor (q, k and v of `attn_qkv`, gate and up of Phi-3's `ffn_up`) as a tensor of its own."""
+    return f"{name}[{start}:{stop}]"
+
+
+def parse_row_view(name: str) -> tuple[str, int, int] | None:
+    m = _ROW_VIEW.fullmatch(name)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None

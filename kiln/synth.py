@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -26,6 +27,13 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
+# Phi-3's turn markers (llama.cpp looks <|end|> up by its text in a phi3 vocabulary), and its template
+PHI3_SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -40,6 +48,10 @@ class Shape:
     context_length: int = 2048
     tied: bool = True
     sliding_window: int = 8
+    rope_dim: int = 0  # rotary dimensions of a head (0: all)
+    biases: tuple[str, ...] = ()  # the block's projections (tensor names) that carry a bias
+    fused_qkv: bool = False  # q, k and v written as one attn_qkv (the same values as three tensors)
+    long_rope: int = 0  # LongRoPE's original context (Phi-3): short and long factors are written when set
     # mixture of experts (0: a dense MLP): experts, experts each row uses, an expert's and the shared
     # expert's widths
     n_experts: int = 0
@@ -61,6 +73,14 @@ SHAPES = {
     # Qwen3-30B-A3B's shape (48 layers; benchmarks cut the layer count)
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, context_length=40960, tied=False,
                            n_experts=128, n_experts_used=8, expert_ffn_dim=768),
+    "tiny-granite": Shape("granite", 64, 2, 4, 2, 16, 128, 512),
+    "tiny-olmo2": Shape("olmo2", 64, 2, 4, 2, 16, 128, 512, tied=False),
+    "tiny-smollm3": Shape("smollm3", 64, 4, 4, 2, 16, 128, 512),  # layer 3 has no rope
+    "tiny-phi3": Shape("phi3", 64, 2, 4, 2, 16, 128, 512, rope_dim=12, long_rope=32, fused_qkv=True, tied=False),
+    "tiny-phi2": Shape("phi2", 64, 2, 4, 4, 16, 256, 512, rope_dim=8, tied=False,
+                       biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")),
+    "phi4-mini": Shape("phi3", 3072, 32, 24, 8, 128, 8192, 200064, context_length=131072, rope_dim=96, long_rope=4096,
+                       fused_qkv=True),
 }
 
 
@@ -107,8 +127,20 @@ def spm_vocab(size: int, rng: np.random.Generator) -> tuple[list[str], list[floa
     return tokens, scores, types
 
 
+# Above this many values a tensor is drawn and quantized in runs of rows, in float32: Phi-4-mini's embedding
+# table (615M values) drawn whole in float64 would take 5 GB
+_LARGE = 1 << 28
+
+
 def _tensor(rng, shape, scale):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+    if np.prod(shape) <= _LARGE:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    out = np.empty(shape, np.float32)
+    step = max(1, _LARGE // 16 // int(np.prod(shape[1:])))
+    for r in range(0, shape[0], step):
+        out[r : r + step] = rng.standard_normal((min(step, shape[0] - r), *shape[1:]), dtype=np.float32)
+        out[r : r + step] *= np.float32(scale)
+    return out
 
 
 # Qwen2.5-Coder's fill-in-the-middle tokens, and the metadata keys naming them
@@ -146,8 +178,21 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
     w.add_head_count_kv(shape.n_kv_heads)
     w.add_key_length(shape.head_dim)
     w.add_value_length(shape.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+    if a == "phi2":
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+    if shape.rope_dim:
+        w.add_rope_dimension_count(shape.rope_dim)
+    if shape.long_rope:
+        w.add_rope_scaling_orig_ctx_len(shape.long_rope)
+        # convert_hf_to_gguf's value for Phi-3: sqrt(1 + ln(scale) / ln(original context))
+        scale = shape.context_length / shape.long_rope
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.long_rope))) if scale > 1 else 1.0)
+    family = FAMILY_WRITERS.get(a)
+    if family is not None:
+        family.metadata(w, shape)
     if shape.n_experts:
         _add_expert_counts(w, shape)
     if tokenizer is not None:
@@ -168,8 +213,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_add_bos_token(True)
         w.add_add_space_prefix(False)
         w.add_chat_template(GEMMA_TEMPLATE)
+    elif family is not None:
+        family.tokenizer(w, shape, rng)
     else:
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (list(FIM_TOKENS.values()) if fim else [])
+        specials += PHI3_SPECIALS if a == "phi3" else []
         tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
         if fim == "metadata":
             for role, text in FIM_TOKENS.items():
@@ -182,11 +230,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_bos_token_id(0)
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
-        w.add_chat_template(CHATML_TEMPLATE)
+        w.add_chat_template(PHI3_TEMPLATE if a == "phi3" else CHATML_TEMPLATE)
 
     def matrix(name, rows, cols, quant=qtype):
         if random_blocks and quant in _BLOCK_SCALES:
-            w.add_tensor(name, _scaled_random_blocks(rng, (rows, cols), quant), raw_dtype=quant)
+            w.add_tensor(name, _random_blocks(rng, rows, cols, quant), raw_dtype=quant)
             return
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
         _add(w, name, data, quant)
@@ -199,12 +247,16 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         matrix("token_embd.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
     else:
         _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
+    if a in FAMILY_TENSORS:
+        FAMILY_TENSORS[a](w, shape, rng, qtype, embed_qtype)
+        return _finish(w, path)
     for i in range(shape.n_layers):
         p = f"blk.{i}."
+        if family is not None and family.layer is not None:
+            family.layer(p, shape, matrix, norm)
+            continue
         norm(p + "attn_norm.weight", shape.dim)
-        matrix(p + "attn_q.weight", q_dim, shape.dim)
-        matrix(p + "attn_k.weight", kv_dim, shape.dim)
-        matrix(p + "attn_v.weight", kv_dim, shape.dim)
+        _qkv(w, shape, rng, p, qtype)
         matrix(p + "attn_output.weight", shape.dim, q_dim)
         if a in ("qwen2", "qwen2moe"):
             for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
@@ -222,14 +274,100 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         if a == "gemma3":
             norm(p + "post_attention_norm.weight", shape.dim)
             norm(p + "post_ffw_norm.weight", shape.dim)
+        _biases(w, shape, rng, p, exclude=("attn_q", "attn_k", "attn_v", "attn_qkv"))
     norm("output_norm.weight", shape.dim)
     if not shape.tied:
         matrix("output.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
+    return _finish(w, path)
+
+
+def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _bias_rows(shape: Shape, name: str) -> int:
+    q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    return {"attn_q": q_dim, "attn_k": kv_dim, "attn_v": kv_dim, "attn_qkv": q_dim + 2 * kv_dim,
+            "attn_output": shape.dim, "ffn_gate": shape.ffn_dim, "ffn_up": shape.ffn_dim, "ffn_down": shape.dim}[name]
+
+
+def _biases(w, shape: Shape, rng, p: str, exclude=()) -> None:
+    """The block's biases that `shape.biases` names (those of q, k and v are written with their weights)."""
+    for name in shape.biases:
+        if name not in exclude:
+            _add(w, p + name + ".bias", _tensor(rng, (_bias_rows(shape, name),), 0.5), QT.F32)
+
+
+def _qkv(w, shape: Shape, rng, p: str, qtype: QT) -> None:
+    """q, k and v (and their biases where `shape.biases` names them): three tensors, or the same values
+    stacked in one attn_qkv."""
+    q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    weights = [_tensor(rng, (rows, shape.dim), 1.0 / np.sqrt(shape.dim)) for rows in (q_dim, kv_dim, kv_dim)]
+    with_bias = [f"attn_{n}" in shape.biases or "attn_qkv" in shape.biases for n in "qkv"]
+    biases = [_tensor(rng, (len(x),), 0.5) if b else None for x, b in zip(weights, with_bias)]
+    if shape.fused_qkv:
+        _add(w, p + "attn_qkv.weight", np.concatenate(weights), qtype)
+        if all(with_bias):
+            _add(w, p + "attn_qkv.bias", np.concatenate(biases), QT.F32)
+        return
+    for n, x, b in zip("qkv", weights, biases):
+        _add(w, p + f"attn_{n}.weight", x, qtype)
+        if b is not None:
+            _add(w, p + f"attn_{n}.bias", b, QT.F32)
+
+
+def _phi3_tensors(w, shape: Shape, rng, qtype: QT, embed_qtype) -> None:
+    """Phi-3: fused q/k/v, gate and up stacked in ffn_up (gate first), LongRoPE's two factor sets."""
+    q_dim = shape.n_heads * shape.head_dim
+    matrix = lambda name, rows, cols: _add(w, name, _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)  # noqa: E731
+    norm = lambda name, n: _add(w, name, 1.0 + _tensor(rng, (n,), 0.1), QT.F32)  # noqa: E731
+    if shape.long_rope:
+        half = (shape.rope_dim or shape.head_dim) // 2
+        _add(w, "rope_factors_short.weight", (1.0 + rng.random(half)).astype(np.float32), QT.F32)
+        _add(w, "rope_factors_long.weight", (1.0 + 8 * rng.random(half)).astype(np.float32), QT.F32)
+    for i in range(shape.n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", shape.dim)
+        _qkv(w, shape, rng, p, qtype)
+        matrix(p + "attn_output.weight", shape.dim, q_dim)
+        norm(p + "ffn_norm.weight", shape.dim)
+        matrix(p + "ffn_up.weight", 2 * shape.ffn_dim, shape.dim)
+        matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+        _biases(w, shape, rng, p, exclude=("attn_q", "attn_k", "attn_v", "attn_qkv"))
+    norm("output_norm.weight", shape.dim)
+    if not shape.tied:
+        matrix("output.weight", shape.vocab_size, shape.dim)
+
+
+def _phi2_tensors(w, shape: Shape, rng, qtype: QT, embed_qtype) -> None:
+    """Phi-2: LayerNorms with biases, biases on every projection and the head, a plain MLP."""
+    q_dim = shape.n_heads * shape.head_dim
+    matrix = lambda name, rows, cols: _add(w, name, _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)  # noqa: E731
+
+    def layernorm(name: str) -> None:
+        _add(w, name + ".weight", 1.0 + _tensor(rng, (shape.dim,), 0.1), QT.F32)
+        _add(w, name + ".bias", _tensor(rng, (shape.dim,), 0.1), QT.F32)
+
+    for i in range(shape.n_layers):
+        p = f"blk.{i}."
+        layernorm(p + "attn_norm")
+        _qkv(w, shape, rng, p, qtype)
+        matrix(p + "attn_output.weight", shape.dim, q_dim)
+        matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+        matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+        _biases(w, shape, rng, p, exclude=("attn_q", "attn_k", "attn_v", "attn_qkv"))
+    layernorm("output_norm")
+    if not shape.tied:
+        matrix("output.weight", shape.vocab_size, shape.dim)
+        _add(w, "output.bias", _tensor(rng, (shape.vocab_size,), 0.5), QT.F32)
+
+
+# Families whose blocks are not the Llama block's tensors
+FAMILY_TENSORS = {"phi3": _phi3_tensors, "phi2": _phi2_tensors}
 
 
 def _tokenizer_fields(path: str | Path) -> dict:
@@ -264,10 +402,13 @@ def _tokenizer_fields(path: str | Path) -> dict:
 # Where the f16 scales of a block sit, and the largest multiple of them a value reaches: random bits with
 # those scales set give finite values near the float weights' size, for types gguf cannot quantize to.
 _RANDOM_BLOCKS = {QT.Q2_K: ((80, 82), 45), QT.Q3_K: ((108,), 128), QT.IQ4_NL: ((0,), 127), QT.IQ4_XS: ((0,), 3937)}
+# and types gguf can quantize to, but too slowly for a benchmark's shapes (`random_blocks`; Q4_K: its 6-bit
+# sub-block scales and minimums are random too, so the reach is their largest product with a quant)
+_BLOCK_SCALES = {**_RANDOM_BLOCKS, QT.Q4_0: ((0,), 8), QT.Q8_0: ((0,), 127), QT.Q4_K: ((0, 2), 63 * 15)}
 
 
 def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
-    (offsets, reach), (block, size) = _RANDOM_BLOCKS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    (offsets, reach), (block, size) = _BLOCK_SCALES[qtype], gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
     for at in offsets:
@@ -285,6 +426,10 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, data)
     elif qtype == QT.F16:
         writer.add_tensor(name, data.astype(np.float16))
+    elif data.size > _LARGE:
+        step = _LARGE // 16 // data.shape[1]
+        raw = np.concatenate([gguf.quants.quantize(data[r : r + step], qtype) for r in range(0, data.shape[0], step)])
+        writer.add_tensor(name, raw, raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
@@ -304,7 +449,7 @@ def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, rando
     _add(w, p + "ffn_gate_inp.weight", _tensor(rng, (n, dim), 1.0 / np.sqrt(dim)), QT.F32)
     for name, rows, cols in (("gate", ff, dim), ("up", ff, dim), ("down", dim, ff)):
         if random_blocks and qtype in _BLOCK_SCALES:
-            w.add_tensor(p + f"ffn_{name}_exps.weight", _scaled_random_blocks(rng, (n, rows, cols), qtype),
+            w.add_tensor(p + f"ffn_{name}_exps.weight", _random_blocks(rng, n * rows, cols, qtype).reshape(n, rows, -1),
                          raw_dtype=qtype)
         else:
             _add(w, p + f"ffn_{name}_exps.weight", _tensor(rng, (n, rows, cols), 1.0 / np.sqrt(cols)), qtype)
@@ -315,19 +460,93 @@ def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, rando
         _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
 
 
-# Where the f16 scales of a block sit and the largest multiple of them a value reaches, for types gguf can
-# quantize to but too slowly for a benchmark's shapes (Q4_K: its 6-bit sub-block scales and minimums are
-# random too, so the reach is their largest product with a quant)
-_BLOCK_SCALES = {QT.Q4_0: ((0,), 8), QT.Q8_0: ((0,), 127), QT.Q4_K: ((0, 2), 63 * 15)}
+# ---- families whose files depart from the Llama layout above -------------------------------------------
 
 
-def _scaled_random_blocks(rng, shape: tuple[int, ...], qtype: QT) -> np.ndarray:
-    """Random blocks of `qtype` for a tensor of `shape`, scaled so that its values are near the random float
-    weights' size (1/sqrt(cols))."""
-    (offsets, reach), (block, size) = _BLOCK_SCALES[qtype], gguf.GGML_QUANT_SIZES[qtype]
-    cols = shape[-1]
-    raw = rng.integers(0, 256, (*shape[:-1], cols // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
-    for at in offsets:
-        raw[..., at : at + 2] = scale
-    return raw.reshape(*shape[:-1], -1)
+@dataclass(frozen=True)
+class FamilyWriter:
+    """A family's own metadata keys, vocabulary and chat template, and (None: Llama's) one layer's tensors,
+    written with llama.cpp's key and tensor names."""
+
+    metadata: Callable[[gguf.GGUFWriter, Shape], None]
+    tokenizer: Callable[[gguf.GGUFWriter, Shape, np.random.Generator], None]
+    layer: Callable[[str, Shape, Callable, Callable], None] | None = None
+
+
+def _bpe_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng, specials: list[str], pre: str, bos: int, eos: int,
+                   template: str) -> None:
+    tokens, merges, types = bpe_vocab(shape.vocab_size, specials, rng)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    w.add_chat_template(template)
+
+
+# Granite 3.x's multipliers are its muP widths' (Granite-3.3-2B: 12, 0.22, 1/head size, 8)
+GRANITE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}"
+    "{%- endif %}"
+)
+
+
+def _granite_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_embedding_scale(12.0)
+    w.add_residual_scale(0.22)
+    w.add_attention_scale(1.0 / shape.head_dim)
+    w.add_logit_scale(8.0)
+
+
+def _granite_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"], "refact", 0, 0,
+                   GRANITE_TEMPLATE)
+
+
+OLMO2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _olmo2_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>"], "dbrx", 0, 0,
+                   OLMO2_TEMPLATE)
+
+
+def _olmo2_layer(p: str, shape: Shape, matrix, norm) -> None:
+    """No pre-norms: a norm after each sublayer, and q/k norms as wide as the projections."""
+    q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    matrix(p + "attn_q.weight", q_dim, shape.dim)
+    matrix(p + "attn_k.weight", kv_dim, shape.dim)
+    matrix(p + "attn_v.weight", kv_dim, shape.dim)
+    matrix(p + "attn_output.weight", shape.dim, q_dim)
+    norm(p + "attn_q_norm.weight", q_dim)
+    norm(p + "attn_k_norm.weight", kv_dim)
+    norm(p + "post_attention_norm.weight", shape.dim)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+    matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+    norm(p + "post_ffw_norm.weight", shape.dim)
+
+
+SMOLLM3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _smollm3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>"], "smaug-bpe", 0, 2,
+                   SMOLLM3_TEMPLATE)
+
+
+FAMILY_WRITERS: dict[str, FamilyWriter] = {
+    "granite": FamilyWriter(_granite_metadata, _granite_tokenizer),
+    "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
+    "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
+}

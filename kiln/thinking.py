@@ -4,7 +4,8 @@ A template that supports thinking names the reasoning markers (`<think>`…`</th
 switch: `enable_thinking` (Qwen3, SmolLM3), `thinking` (Granite 3.3) or an effort (`reasoning_effort`).
 DeepSeek-R1 distills take none: they always think, and their generation prompt already opens the block,
 so the reply begins inside reasoning. The output is split once, as it streams, into reasoning and
-content; what comes after the block goes on to the tool-call parser.
+content; what comes after the block goes on to the tool-call parser. gpt-oss's harmony format has channels
+instead of markers: kiln/harmony.py parses its replies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from kiln.errors import Field, RequestError
 MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"),
            ("<|begin_of_thought|>", "<|end_of_thought|>"), ("◁think▷", "◁/think▷"))
 EFFORTS = ("low", "medium", "high")
+# gpt-oss's harmony format: reasoning is a message on the analysis channel, and the whole reply is read by
+# kiln/harmony.py's parser.
+HARMONY_FRAMING = ("<|start|>", "<|channel|>", "<|message|>")
+HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>")
 
 
 @dataclass(frozen=True)
@@ -30,18 +35,21 @@ class ThinkingStyle:
     switch: str | None  # the template variable that turns thinking on and off; None: it always thinks
     effort: bool  # the template reads `reasoning_effort`
     history_field: str | None  # the message field it renders earlier reasoning from, if any
+    harmony: bool = False  # gpt-oss's channels (kiln/harmony.py), not markers around a block
 
 
 @lru_cache(maxsize=32)
 def thinking_style(template: str) -> ThinkingStyle | None:
     """The template's thinking switch and markers, or None when it has no reasoning."""
+    history = next((f for f in ("reasoning_content", "thinking")
+                    if re.search(rf"(message|m)\.{f}\b|\[['\"]{f}['\"]\]", template)), None)
+    if all(m in template for m in HARMONY_FRAMING):  # it always reasons; an effort is all it takes
+        return ThinkingStyle(*HARMONY_ANALYSIS, None, "reasoning_effort" in template, history, harmony=True)
     marker = next(((o, c) for o, c in MARKERS if o in template or c in template), None)
     if marker is None:
         return None
     switch = ("enable_thinking" if re.search(r"\benable_thinking\b", template)
               else "thinking" if re.search(r"(?<![\w.])thinking\b", template) else None)
-    history = next((f for f in ("reasoning_content", "thinking")
-                    if re.search(rf"(message|m)\.{f}\b|\[['\"]{f}['\"]\]", template)), None)
     return ThinkingStyle(marker[0], marker[1], switch, "reasoning_effort" in template, history)
 
 

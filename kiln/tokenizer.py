@@ -39,7 +39,13 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _HIDDEN_WHEN_SKIPPING = (UNKNOWN, CONTROL, UNUSED)
 
 # Tokens that end generation when the vocabulary has them, besides the file's eos/eot/eom ids.
-STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "<|eom_id|>")
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<|return|>",
+                    "<|call|>")
+# gpt-oss's harmony vocabulary (it has <|return|> and <|call|>): <|end|> closes one message of a reply (the
+# reasoning) rather than the reply, and the tokens that frame its messages are rendered into the output text
+# for the parser (kiln/harmony.py) to read, as llama.cpp does.
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+HARMONY_FRAMING = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>")
 
 # Pre-tokenizer regexes in their original (tokenizer.json) spelling, which the `tokenizers` regex
 # engine runs as written; llama.cpp's llama-vocab.cpp rewrites some of them for std::regex.
@@ -78,7 +84,7 @@ _PRE_TOKENIZERS = {
 
 # Bump when the cached tokenizer's construction changes, so stale caches are not reused.
 _STATE_FILE = "tokenizer.npz"
-_STATE_FORMAT = 1  # bump when the saved state changes meaning
+_STATE_FORMAT = 2  # bump when the saved state changes meaning
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -134,6 +140,12 @@ class Tokenizer:
         types = np.asarray(md.get("tokenizer.ggml.token_type", np.full(n, NORMAL)), dtype=np.int32)
         if len(types) != n:
             raise ModelFileError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        harmony = all(t in tokens for t in HARMONY_ENDS)
+        if harmony:
+            types = types.copy()
+            for name in HARMONY_FRAMING:
+                if name in tokens:
+                    types[tokens.index(name)] = USER_DEFINED
         if len(set(tokens)) != n:
             seen: set[str] = set()
             dup = next(t for t in tokens if t in seen or seen.add(t))
@@ -160,6 +172,8 @@ class Tokenizer:
             raise ModelFileError(f"{path}: tokenizer.ggml.add_bos_token is set, tokenizer.ggml.bos_token_id missing")
         stops = {eos_id} | {_token_id(gguf, f"tokenizer.ggml.{k}_token_id", None, n) for k in ("eot", "eom")}
         stops |= {backend.token_to_id(name) for name in STOP_TOKEN_NAMES}
+        if harmony:
+            stops.discard(backend.token_to_id("<|end|>"))
         stops.discard(None)
         return cls(backend, ByteTable.of(t.encode() for t in tokens), types, ByteTable.of(table), bos_id=bos_id,
                    eos_id=eos_id, add_bos=add_bos,

@@ -256,7 +256,8 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_
 
 # bits per weight of a whole file: the block formats' own; Q4_K_M mixes types, 4.58 GiB for Llama-3-8B's
 # 8.03B weights in llama-quantize's table
-_FILE_BITS_PER_WEIGHT = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_M": 4.9, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0}
+_FILE_BITS_PER_WEIGHT = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_M": 4.9, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0,
+                         "MXFP4": 4.25}
 
 
 def catalog_need(entry) -> tuple[int | None, str]:
@@ -367,6 +368,9 @@ def _random_gguf_weights(t, rows: int, cols: int, rng: np.random.Generator) -> n
         return quants.quantize(w, t) if t == QT.BF16 else w.astype(np.float16 if t == QT.F16 else np.float32)
     block, size = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if t == QT.MXFP4:  # one e8m0 exponent byte a block: scales 2^-4 and 2^-3
+        raw[:, :, 0] = rng.integers(124, 126, (rows, cols // block))
+        return raw.reshape(rows, -1)
     scale_at = {QT.Q4_1: (0, 2), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}.get(t, (0,))
     for off in scale_at:
         d = (np.sign(rng.standard_normal((rows, cols // block))) * rng.uniform(0.01, 0.02, (rows, cols // block)))
@@ -396,7 +400,7 @@ def check_kernels(seed: int = 0) -> Check:
     rng = np.random.default_rng(seed)
     rows, n = 67, 3
     errors = {}
-    for t in (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K):
+    for t in (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4):
         cols = 768 if t in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 576
         raw = _random_gguf_weights(t, rows, cols, rng)
         w = raw.astype(np.float64) if t in (QT.F32, QT.F16) else \

@@ -31,6 +31,9 @@ SEEDS = {
     "qwen2": dict(shape="tiny-qwen2", qtype="F16", vocab_size=320),
     "qwen3": dict(shape="tiny-qwen3", qtype="Q4_0", vocab_size=320, head_dim=32),
     "gemma3": dict(shape="tiny-gemma3", qtype="Q8_0", vocab_size=320, head_dim=32),
+    "granite": dict(shape="tiny-granite", qtype="Q4_0", vocab_size=320),
+    "olmo2": dict(shape="tiny-olmo2", qtype="Q8_0", vocab_size=320),
+    "smollm3": dict(shape="tiny-smollm3", qtype="F16", vocab_size=320),
     "qwen3moe": dict(shape="tiny-qwen3moe", qtype="Q8_0", vocab_size=320),
     "qwen2moe": dict(shape="tiny-qwen2moe", qtype="Q4_0", vocab_size=320),
 }

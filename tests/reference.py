@@ -23,6 +23,7 @@ class Builder:
     config: Callable[[dict], dict]  # metadata (key → value) → transformers config fields incl. model_type
     name: Callable[[str], str | None]
     unpermute_qk: bool = False  # llama.cpp's converter permutes q/k rows for its "normal" rope
+    tensors: tuple[str, ...] = ()  # tensors whose values the config needs (LongRoPE's factors), given to it by name
 
 
 def register_builder(arch: str, builder: Builder) -> None:
@@ -97,6 +98,9 @@ def hf_model_from_gguf(path: Path, builder: Builder):
 
     reader = gguf.GGUFReader(path)
     meta = _metadata(reader)
+    for t in reader.tensors:
+        if t.name in builder.tensors:
+            meta[t.name] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).ravel().tolist()
     fields = builder.config(meta)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -110,8 +114,8 @@ def hf_model_from_gguf(path: Path, builder: Builder):
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
         data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        if builder.unpermute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = n_heads if t.name.endswith("attn_q.weight") else n_kv
+        if builder.unpermute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+            heads = n_heads if ".attn_q." in t.name else n_kv
             data = data.reshape(heads, data.shape[0] // heads // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(shape)
         state[name] = torch.from_numpy(np.ascontiguousarray(data))
     if getattr(config, "tie_word_embeddings", False):

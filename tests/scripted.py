@@ -16,21 +16,23 @@ MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # user-defined
 DIM, FFN, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
 
 
-def write_scripted_gguf(path: str | Path, template: str, script: list[str], after: str = "\n") -> Path:
+def write_scripted_gguf(path: str | Path, template: str, script: list[str], after: str = "\n",
+                        specials: list[str] = SPECIALS, markers: list[str] = MARKERS, end: str = "<|im_end|>") -> Path:
     """A model whose reply to any prompt ending in the text `after` (one byte) is `script`, piece by
-    piece (each piece one token, none repeated), then the end-of-turn token."""
+    piece (each piece one token, none repeated), then `end` (one of the control tokens `specials`, the
+    file's end-of-sequence token). `markers` are user-defined tokens."""
     byte_chars = bytes_to_unicode()
     spell = lambda text: "".join(byte_chars[b] for b in text.encode())  # noqa: E731 - GPT-2's byte alphabet
-    tokens = SPECIALS + MARKERS + list(byte_chars.values()) + [spell(" t")]  # a BPE file needs a merge
-    types = [3] * len(SPECIALS) + [4] * len(MARKERS) + [1] * 257
+    tokens = specials + markers + list(byte_chars.values()) + [spell(" t")]  # a BPE file needs a merge
+    types = [3] * len(specials) + [4] * len(markers) + [1] * 257
     ids = {}
     for piece in script:
-        name = piece if piece in MARKERS else spell(piece)
+        name = piece if piece in markers or piece in specials else spell(piece)
         if name not in tokens:
             tokens.append(name)
             types.append(1)
         ids[piece] = tokens.index(name)
-    chain = [tokens.index(spell(after))] + [ids[p] for p in script] + [SPECIALS.index("<|im_end|>")]
+    chain = [tokens.index(spell(after))] + [ids[p] for p in script] + [specials.index(end)]
     assert len(set(chain[:-1])) == len(chain) - 1 <= DIM, "each token of the script leads to one next token"
     vocab = len(tokens)
     embed, output = np.zeros((vocab, DIM), np.float32), np.zeros((vocab, DIM), np.float32)
@@ -56,7 +58,7 @@ def write_scripted_gguf(path: str | Path, template: str, script: list[str], afte
     w.add_token_merges([f"{spell(' ')} t"])
     w.add_token_types(types)
     w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(specials.index(end))
     w.add_add_bos_token(False)
     w.add_chat_template(template)
     small = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)  # noqa: E731

@@ -67,3 +67,16 @@ def kiln_server(home: Path, *args: str, timeout: float = 180.0, env: dict | None
             process.kill()
             process.wait()
         log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def store_server(home: Path, models: dict, *args: str):
+    """`kiln serve ARGS` over a store at `home` with each of `models` (tag: .gguf path) installed."""
+    from kiln.modelfile import Recipe
+    from kiln.store import Store
+
+    store = Store(home=home)
+    for tag, path in models.items():
+        store.create(tag, Recipe(str(path)), progress=False)
+    with kiln_server(home, *args) as server:
+        yield server

@@ -30,7 +30,7 @@ from kiln.native import kernels as K
 
 SEED = int(os.environ.get("KILN_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
-BLOCK32_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0)
+BLOCK32_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.MXFP4)
 K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES
 ROWS = (1, 3, 5, 67)
@@ -57,6 +57,13 @@ def random_weights(t: QT, rows: int, cols: int, rng: np.random.Generator, typica
         return quants.quantize(w, t) if t == QT.BF16 else w.astype(np.float16 if t == QT.F16 else np.float32)
     block, size = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if t == QT.MXFP4:  # an e8m0 exponent byte: 2^(e-128) per block, a few subnormal (e < 2) unless typical
+        e = rng.integers(124, 126, raw.shape[:2]) if typical else rng.integers(118, 125, raw.shape[:2])
+        if not typical:
+            few = rng.random(e.shape) < 0.02
+            e[few] = rng.integers(0, 3, int(few.sum()))
+        raw[:, :, 0] = e
+        return raw.reshape(rows, -1)
     for off in SCALE_FIELDS[t]:
         mag = rng.uniform(0.01, 0.02, (rows, cols // block)) if typical else 10.0 ** rng.uniform(-3, -1, (rows, cols // block))
         d = (np.sign(rng.standard_normal((rows, cols // block))) * mag).astype(np.float16)
@@ -335,7 +342,8 @@ def test_tile_ranges_and_threads(isa):
 def test_pack_sizes_keep_gguf_density():
     """576 columns are not padded to 256: bytes per weight stay at the GGUF type's (Q4_K, Q5_K: +4 bytes
     of decoded scales per 256 weights)."""
-    for t, extra in [(QT.Q4_0, 0), (QT.Q4_1, 0), (QT.Q5_0, 0), (QT.Q8_0, 0), (QT.Q4_K, 4), (QT.Q5_K, 4), (QT.Q6_K, 0)]:
+    for t, extra in [(QT.Q4_0, 0), (QT.Q4_1, 0), (QT.Q5_0, 0), (QT.Q8_0, 0), (QT.Q4_K, 4), (QT.Q5_K, 4), (QT.Q6_K, 0),
+                     (QT.MXFP4, 0)]:
         block, size = GGML_QUANT_SIZES[t]
         cols = 768 if t in K_TYPES else 576
         gguf_row = cols // block * size
@@ -480,6 +488,7 @@ static inline E512 emu_srli_epi16(E512 a, unsigned n) { for (int i = 0; i < 32; 
 static inline E512 emu_sllv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++) a.w[i] = c.w[i] > 15 ? 0 : (uint16_t)(a.w[i] << c.w[i]); return a; }
 static inline E512 emu_srlv_epi16(E512 a, E512 c) { for (int i = 0; i < 32; i++) a.w[i] = c.w[i] > 15 ? 0 : a.w[i] >> c.w[i]; return a; }
 static inline emask64 emu_test_epi8_mask(E512 a, E512 b) { emask64 k = 0; L64 k |= (emask64)((a.b[i] & b.b[i]) != 0) << i; return k; }
+static inline E512 emu_shuffle_epi8(E512 a, E512 idx) { E512 r; L64 r.b[i] = idx.b[i] & 0x80 ? 0 : a.b[(i & ~15) | (idx.b[i] & 15)]; return r; }
 """
 
 # What kern_amx.c uses on top: more AVX-512, and the AMX tiles (8 registers of up to 16 rows x 64 bytes, shaped
@@ -657,3 +666,35 @@ def test_amx_matches_generic_bit_for_bit(t):
             assert np.array_equal(y, ref), where + f", chunks split at tile {cut}"
     finally:
         K.force_isa(before)
+
+
+# ---- MXFP4's exponents -------------------------------------------------------------------------------------
+def test_mxfp4_rows_dequantize_as_gguf_does_at_every_exponent():
+    """The embedding path's C dequantization: every e8m0 byte (0 and 1 give subnormal scales) and nibble."""
+    rng = rng_for("mxfp4-rows")
+    raw = rng.integers(0, 256, (256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    got = np.frombuffer(K._native.dequant_rows(int(QT.MXFP4), raw.ravel(), 256 * 32), np.float32)
+    with np.errstate(over="ignore"):  # past e = 252 the largest values overflow float32 to inf, in C alike
+        want = quants.dequantize(raw.ravel(), QT.MXFP4).ravel()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), ctx("e8m0 rows")
+
+
+@pytest.mark.parametrize("exponents,magnitude", [((0, 1, 2, 3), 1e30), ((249, 250, 251, 252), 1e-30)], ids=("smallest", "largest"))
+def test_mxfp4_extreme_exponents(exponents, magnitude, isa):
+    """Block scales at both ends of e8m0's range (2^-128 and 2^-127 are subnormal; past 2^124 the weights
+    themselves overflow float32) against activations that bring the products back into normal floats, so a
+    wrong scale shows in the result; 65 tokens reach AMX."""
+    rng = rng_for("mxfp4-exp", exponents, isa)
+    rows, cols = 9, 576
+    raw = random_weights(QT.MXFP4, rows, cols, rng).reshape(rows, -1, 17)
+    raw[:, :, 0] = rng.choice(exponents, raw.shape[:2])
+    raw = raw.reshape(rows, -1)
+    w = dequant(QT.MXFP4, raw, rows, cols)
+    pm = K.pack(QT.MXFP4, raw, rows, cols)
+    for n in (1, 3, 65):
+        x = (activations(QT.MXFP4, n, cols, rng) * np.float32(magnitude)).astype(np.float32)
+        y = K.matmul_f32(pm, x).astype(np.float64)
+        ref = quantized_act(x) @ w.T
+        scale = np.sqrt((quantized_act(x) ** 2) @ (w**2).T).max()
+        assert np.isfinite(y).all() and np.abs(y - ref).max() <= 1e-5 * scale, ctx(isa, exponents, f"n_tok {n}")

@@ -15,7 +15,7 @@ from kiln.engine.oracle import route
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
-from kiln.synth import write_random_gguf
+from kiln.synth import SHAPES, write_random_gguf
 from tests.reference import hf_greedy, hf_logits, rel_err
 from tests.test_models import oracle, oracle_greedy
 from tests.test_native import engines, kld
@@ -189,6 +189,16 @@ def test_moe_files_are_checked(tmp_path):
                                               expert_ffn_dim=32)))
     with pytest.raises(UnsupportedModelError, match=r"'qwen3moe.expert_shared_feed_forward_length' is set"):
         family_for(GGUFFile(write_random_gguf(tmp_path / "d.gguf", "tiny-qwen3moe", shared_ffn_dim=32)))
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen2", "tiny-gemma3", "tiny-granite", "tiny-olmo2", "tiny-smollm3",
+                                   "tiny-phi3", "tiny-phi2"])
+def test_dense_families_refuse_experts(tmp_path, shape):
+    """Every dense family reads its config through base_config, which refuses a file naming experts."""
+    arch = SHAPES[shape].arch
+    path = write_random_gguf(tmp_path / "e.gguf", shape, n_experts=4, n_experts_used=2, expert_ffn_dim=32)
+    with pytest.raises(ModelFileError, match=rf"'{arch}.expert_count' is 4, expected an integer in 0..0"):
+        family_for(GGUFFile(path))
 
 
 def test_active_parameters_and_bytes_per_decode_row(tmp_path):

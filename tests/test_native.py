@@ -90,7 +90,7 @@ def test_types_without_kernels_run_requantized(qtype, runs_as, tmp_path):
         assert np.array_equal(again.forward(ids, all_logits=True), a)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.MXFP4])
 def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     path = write_random_gguf(tmp_path / "q.gguf", "tiny-qwen3", qtype=qtype, seed=4)
     native, oracle = engines(path)
@@ -100,7 +100,7 @@ def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.MXFP4])
 def test_amx_prefill_gives_the_avx512_bits(qtype, tmp_path):
     """A prompt long enough for the AMX tiles (on both pool threads, each with its own tile state): the
     same logits, bit for bit, as the AVX-512 kernels. (All rows' logits would run in chunks of the logits

@@ -87,9 +87,7 @@ def run_steps(s: Scheduler, n: int | None = None) -> None:
     """Drive the loop by hand: n steps, or until nothing is left."""
     count = 0
     while (n is None or count < n) and (s.running or s.waiting):
-        batch = s.schedule()
-        if batch.tokens and (logits := s.run(batch)) is not None:
-            s.postprocess(batch, logits)
+        assert s.step()
         count += 1
 
 
@@ -355,3 +353,43 @@ def test_generate_raises_the_error_that_failed_its_request():
     with pytest.raises(KilnError, match="the engine failed: RuntimeError: simulated kernel fault"):
         list(generate(s, Client([1, 2, 3]).seq))
     assert not s.running and s.free == {0} and s.slot_tokens[0] == []
+
+
+def test_schedulers_sharing_turns_step_one_at_a_time_and_alternate():
+    import time
+
+    from kiln.engine.scheduler import Turns
+
+    order, inside, most = [], [0], [0]
+
+    class Shared(ScriptedEngine):
+        pool = None  # rows sampled on the stepping thread
+
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def step(self, tokens, slots, positions, out_rows):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.002)  # the GIL released, as in a native step: another thread could step now
+            order.append(self.name)
+            inside[0] -= 1
+            return super().step(tokens, slots, positions, out_rows)
+
+    turns = Turns()
+    schedulers = [Scheduler(Shared(name), n_slots=2, max_queue=4, turns=turns) for name in "ab"]
+    clients = [Client([1, 2], max_tokens=20), Client([3, 4], max_tokens=20)]
+    for s, c in zip(schedulers, clients):
+        s.submit(c.request)
+    for s in schedulers:
+        s.start()
+    try:
+        assert all(c.done.wait(10) for c in clients)
+    finally:
+        for s in schedulers:
+            s.stop()
+    assert most[0] == 1  # never two steps at once on the shared pool
+    assert order.count("a") == order.count("b") == 20  # the prompt (its first token) and 19 decode steps each
+    repeats = sum(x == y for x, y in zip(order, order[1:]))
+    assert repeats <= 2, order  # one ahead at the start, one left at the end; alternating between

@@ -423,21 +423,25 @@ def test_llama_server_tokenize_template_props_and_slots(server, oai):
     assert post("/tokenize", {"content": "x", "bogus": 1}).json()["error"]["param"] == "bogus"
 
 
-def test_another_model_swaps_in_once_running_requests_finish(oll, server, gemma3_path):
+def test_another_model_loads_beside_the_busy_one(oll, server, gemma3_path):
     import threading
 
-    parts = []  # a long answer, so the swap request arrives while it is still running
+    parts = []  # a long answer, so the other model's request arrives while it is still running
     story = [{"role": "user", "content": "Write a very long story."}]
     stream = threading.Thread(target=lambda: parts.extend(oll.chat(
         model=MODEL, messages=story, stream=True, options={"temperature": 0, "num_predict": 200})))
     stream.start()
     assert wait_for(lambda: server.metric("kiln_requests_running") == 1)
+    loads = server.metric("kiln_model_loads_total", f'model="{MODEL}"')
     other = ollama.Client(host=server.url, timeout=120).generate(
         model="gemma3:270m", prompt="The capital of France is", raw=True, options={"num_predict": 3})
     stream.join()
-    assert parts[-1].done and parts[-1].done_reason in ("stop", "length")  # the swap waited for it
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
     assert other.response and other.load_duration > 0
-    assert [m.model for m in oll.ps().models] == ["gemma3:270m"]
+    assert sorted(m.model for m in oll.ps().models) == ["gemma3:270m", MODEL]  # both stay
+    assert server.metric("kiln_model_loads_total", f'model="{MODEL}"') == loads  # smollm2 was never unloaded
+    oll.generate(model="gemma3:270m", keep_alive=0)  # the other tests expect smollm2 alone
+    assert wait_for(lambda: [m.model for m in oll.ps().models] == [MODEL], timeout=10)
 
 
 def test_keep_alive_zero_unloads_then_reloads(oll):

@@ -81,7 +81,11 @@ def test_errors_take_the_shape_of_each_api(make_client):
                                            (["--port", "0"], "--port must be at least 1"),
                                            (["--parallel", "0"], "--parallel must be at least 1"),
                                            (["--max-queue", "-1"], "--max-queue must be >= 0"),
-                                           (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1")])
+                                           (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
+                                           (["--replicas", "2", "--no-affinity"],
+                                            "--replicas, --no-affinity: not used without --ray"),
+                                           (["m", "--draft-model", "d", "--max-memory", "1G", "--ray"],
+                                            "--max-memory, --draft-model: not used with --ray")])
 def test_kiln_serve_refuses_bad_options_before_binding(flags, message, capsys):
     from kiln.cli import main
 
@@ -196,7 +200,8 @@ def test_a_swap_waits_for_busy_requests_only_so_long(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rt, "SWAP_WAIT_S", 0.2)
     runtime = rt.Runtime(Settings(), Store(home=tmp_path))
-    runtime.loaded = rt.Loaded(model=None, scheduler=None, record=SimpleNamespace(tag="busy:latest"), active=1)
+    busy = runtime.models["busy:latest"] = rt.Loaded(model=None, scheduler=None,
+                                                     record=SimpleNamespace(tag="busy:latest"), active=1)
     with pytest.raises(QueueFullError, match=r"busy:latest is still answering 1 request\(s\) after 0.2 s"):
         asyncio.run(runtime.unload())
-    assert runtime.loaded.active == 1  # nothing was unloaded under its request
+    assert runtime.loaded is busy and busy.active == 1 and not busy.retiring  # nothing was unloaded under it

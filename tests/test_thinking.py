@@ -23,7 +23,7 @@ from kiln.server import openai as openai_api
 from kiln.thinking import ReasoningParser, template_supports_thinking, template_variables, thinking_style
 from kiln.tools import OutputParser, Reasoning, ToolCall, ToolCallParser, OPEN
 from tests.scripted import write_scripted_gguf
-from tests.serving import kiln_server
+from tests.serving import store_server
 
 QWEN3_STYLE = (
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- t | tojson }}{%- endfor %}"
@@ -218,14 +218,7 @@ def test_kiln_run_shows_thinking_dimmed_hides_it_or_turns_it_off(qwen, capsys):
 # --- through a real server and the official clients --------------------------------------------------
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    from kiln.modelfile import Recipe
-    from kiln.store import Store
-
-    home = tmp_path_factory.mktemp("home")
-    store = Store(home=home)
-    for tag, path in models.items():
-        store.create(tag, Recipe(str(path)), progress=False)
-    with kiln_server(home, "qwen-think", "--parallel", "1", "--ctx-len", "1024") as s:
+    with store_server(tmp_path_factory.mktemp("home"), models, "qwen-think", "--parallel", "1", "--ctx-len", "1024") as s:
         yield s
 
 

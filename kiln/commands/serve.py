@@ -16,7 +16,8 @@ GRACE_S = 2  # seconds running requests get to finish once the server is told to
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs",
                        description="Serve the OpenAI (/v1) and Ollama (/api) APIs, /health and /metrics. Models load "
-                                   "on first request (or MODEL at startup) and unload after --keep-alive idle.")
+                                   "on first request (or MODEL at startup), up to --max-loaded at once, and "
+                                   "unload after --keep-alive idle.")
     p.add_argument("model", nargs="?", help="load this model at startup, pulling it if needed (tag or .gguf path)")
     env = os.environ.get
     p.add_argument("--host", default=env("KILN_HOST", "127.0.0.1"), help="address to bind (env KILN_HOST; default 127.0.0.1)")
@@ -47,7 +48,28 @@ def register(sub) -> None:
     p.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-loaded", type=int, default=env("KILN_MAX_LOADED_MODELS", "3"),
+                   help="models loaded at once; loading one more evicts the least recently used idle one "
+                        "(env KILN_MAX_LOADED_MODELS; default 3)")
+    p.add_argument("--max-memory", default=env("KILN_MAX_MEMORY"),
+                   help="most memory the loaded models may take together, by `kiln validate`'s footprint of "
+                        "each, in bytes or with K, M, G; a model that would exceed it evicts idle ones "
+                        "(env KILN_MAX_MEMORY; default: no cap but the memory available)")
     add_draft_args(p)  # the defaults; a request may choose its own mode, max and ngram
+    ray = p.add_argument_group("Ray Serve", "replicas of the model on a Ray cluster behind one endpoint (docs/RAY.md)")
+    ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="serve MODEL from replicas on Ray: on a new local Ray instance, or the cluster at ADDRESS "
+                          "(HOST:PORT, auto, ray://HOST:PORT); name MODEL before this flag")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model set (default 1)")
+    ray.add_argument("--min-replicas", type=int, help="autoscale: the fewest replicas (default 1 with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (instead of --replicas)")
+    ray.add_argument("--target-ongoing", type=float, default=2.0,
+                     help="autoscale: the ongoing requests per replica to aim for (default 2)")
+    ray.add_argument("--store", help="a model store every replica reads (a shared path); default: each node's KILN_HOME")
+    ray.add_argument("--no-pull", dest="pull", action="store_false",
+                     help="replicas do not pull a model their store lacks from the catalog")
+    ray.add_argument("--no-affinity", dest="affinity", action="store_false",
+                     help="route to the least loaded replica only, not to the one holding the prompt's prefix")
     p.set_defaults(func=cmd_serve)
 
 
@@ -59,7 +81,7 @@ def cmd_serve(args) -> int:
     from kiln.server.runtime import Settings, parse_keep_alive
     from kiln.store import Store
 
-    for name in ("parallel", "max_queue", "port"):
+    for name in ("parallel", "max_queue", "port", "max_loaded"):
         if getattr(args, name) < (1 if name != "max_queue" else 0):
             raise KilnError(f"--{name.replace('_', '-')} must be {'at least 1' if name != 'max_queue' else '>= 0'}")
     if args.port > 65535:  # the socket layer would take it modulo 65536 and bind somewhere else
@@ -67,11 +89,18 @@ def cmd_serve(args) -> int:
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KilnError("--prefill-chunk must be at least 1")
     keep_alive = parse_keep_alive(args.keep_alive, "--keep-alive")
+    unused = unused_flags(args)
+    if unused:
+        raise KilnError(f"{', '.join(unused)}: not used {'with' if args.ray is not None else 'without'} --ray")
+    if args.ray is not None:
+        return serve_on_ray(args)
     max_body = parse_size(args.max_body_bytes, "--max-body-bytes")
     max_upload = parse_size(args.max_upload_bytes, "--max-upload-bytes")
+    max_memory = None if args.max_memory is None else parse_size(args.max_memory, "--max-memory")
     settings = Settings(parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, keep_alive=keep_alive,
                         threads=args.threads, backend=args.backend, prefill_chunk=args.prefill_chunk,
-                        speculative=spec_from_args(args), draft_model=args.draft_model)
+                        speculative=spec_from_args(args), draft_model=args.draft_model, max_loaded=args.max_loaded,
+                        max_memory=max_memory)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = Store()
     for blob in store.prune():  # uploads (POST /api/blobs) that no /api/create took
@@ -99,6 +128,67 @@ def cmd_serve(args) -> int:
     if failures:
         raise KilnError(f"could not load {args.model}: {failures[0]}")
     return 0 if server.started else 1
+
+
+def unused_flags(args) -> list[str]:
+    """The flags given that the chosen server would not read: Ray's without --ray; with it, the
+    single server's that a replica's app does not take (RayOptions)."""
+    if args.ray is None:
+        given = {"--replicas": args.replicas != 1, "--min-replicas": args.min_replicas is not None,
+                 "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing != 2.0,
+                 "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity}
+    else:
+        given = {"--max-memory": args.max_memory is not None, "--draft": args.draft is not None,
+                 "--draft-model": args.draft_model is not None, "--draft-max": args.draft_max is not None,
+                 "--ngram": args.ngram is not None}
+    return [flag for flag, present in given.items() if present]
+
+
+def serve_on_ray(args) -> int:
+    """`kiln serve MODEL --ray [ADDRESS]`: the Ray Serve application, until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from kiln.errors import KilnError
+    from kiln.ray import RayOptions, build
+
+    address = None if args.ray == "local" else args.ray
+    if address is not None and address != "auto" and ":" not in address:
+        raise KilnError(f"--ray {address!r} is not a Ray address (HOST:PORT, auto or ray://HOST:PORT); "
+                        "name the model before --ray")
+    if address is not None and not args.model:
+        raise KilnError(f"--ray took {address!r} as the cluster's address, and no model is named: name the model "
+                        "before --ray")
+    options = RayOptions(model=args.model or "", replicas=args.replicas, min_replicas=args.min_replicas,
+                         max_replicas=args.max_replicas, target_ongoing=args.target_ongoing, threads=args.threads,
+                         parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, backend=args.backend,
+                         prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull, affinity=args.affinity,
+                         api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts, host=args.host,
+                         port=args.port)
+    options.check()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    # a new local instance listens where the server does: only on loopback unless --host says otherwise
+    local = {"_node_ip_address": "127.0.0.1"} if address is None and loopback else {}
+    ray.init(address=address, include_dashboard=False, logging_level=args.log_level.upper(),
+             log_to_driver=args.log_level == "debug", **local)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build(options), name="kiln", route_prefix="/")
+        print(f"kiln serving {options.model} from Ray on http://{args.host}:{args.port} (OpenAI: /v1, "
+              "Anthropic: /v1/messages, Ollama: /api)", file=sys.stderr)
+        stop.wait()
+    finally:
+        if address is not None:  # a cluster kiln did not start keeps running, without kiln's application
+            serve.delete("kiln")
+        ray.shutdown()  # a local instance stops with it, replicas and all
+    return 0
 
 
 def _listed(value: str | None) -> list[str]:

@@ -4,9 +4,12 @@ The family's forward pass runs once against `Recorder`, which returns symbolic n
 arrays. `Lowering` then walks that small graph and emits the fused ops the C executor knows:
 
     rmsnorm → linear            NORM_QUANT (normalize and quantize the activations once)
-    linear q/k/v → [qk-norm] → rope → attention
-                                QKV (projections, per-head norm and rope, KV cache store) + ATTN
-    add(x, linear(h))           MATMUL with the residual added as it is stored
+    linear q/k/v → [qk-norm] → [rope] → attention
+                                QKV (projections, per-head or whole-projection norm and rope, KV cache
+                                store) + ATTN
+    add(x, linear(h), scale)    MATMUL with the bias, the (scaled) product and the residual added as it is stored
+    activation(linear(h))       MATMUL with the bias and the activation applied as it is stored (GELU MLPs)
+    layernorm → linear          NORM_QUANT with the mean subtracted and the norm's bias added
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
     add(x, moe(h))              MOE (routing, the chosen experts' GLUs and down projections, a shared
@@ -51,14 +54,20 @@ class Recorder:
     def attention(self, layer, q, k, v, attn):
         return Node("attention", (q, k, v), {"layer": layer, "attn": attn})
 
-    def glu(self, x, gate, up, act):
-        return Node("glu", (x,), {"gate": gate, "up": up, "act": act})
+    def glu(self, x, gate, up, act, gate_bias=None, up_bias=None):
+        return Node("glu", (x,), {"gate": gate, "up": up, "act": act, "gate_bias": gate_bias, "up_bias": up_bias})
 
-    def add(self, a, b):
-        return Node("add", (a, b))
+    def layernorm(self, x, weight, bias, eps):
+        return Node("layernorm", (x,), {"weight": weight, "bias": bias, "eps": eps})
 
-    def logits(self, x, weight):
-        return Node("logits", (x,), {"weight": weight})
+    def activation(self, x, act):
+        return Node("activation", (x,), {"act": act})
+
+    def add(self, a, b, scale=1.0):
+        return Node("add", (a, b), {"scale": scale})
+
+    def logits(self, x, weight, bias=None, scale=1.0):
+        return Node("logits", (x,), {"weight": weight, "bias": bias, "scale": scale})
 
     def moe(self, x, experts):
         return Node("moe", (x,), {"experts": experts})
@@ -120,7 +129,7 @@ class Lowering:
             for name in (e.router, e.gate, e.up, e.shared_gate, e.shared_up, e.shared_scale):
                 if name is not None:
                     self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(name))
-        if node.kind == "logits" or (node.kind == "linear" and node.inputs[0].kind == "glu"):
+        if node.kind == "logits" or (node.kind == "linear" and node.inputs[0].kind in ("glu", "activation")):
             self.precise.add(node.inputs[0])
         if node.kind == "attention":  # the input of the q, k and v projections
             self.precise.add(self._projection(node.inputs[2])[0].inputs[0])
@@ -167,14 +176,23 @@ class Lowering:
                     for kind, fmt in self._layouts(self.consumers.get(node, ())).items()}
             fields = self._act_fields(bufs, width)
             fields["precise"] = int(node in self.precise)
-            if node.kind == "rmsnorm" and node.params["heads"] == 1:
+            if (node.kind == "rmsnorm" and node.params["heads"] == 1) or node.kind == "layernorm":
                 self._emit(kind=self.n.OP_NORM_QUANT, op_class=self.n.OPC_NORM, **fields, in_=self.value(node.inputs[0]),
-                           out=self._floats(width), norm_w=self.weights.vector(node.params["weight"]),
-                           eps=node.params["eps"])
+                           out=self._floats(width), **self._norm_fields(node))
             else:
                 self._emit(kind=self.n.OP_QUANT, op_class=self.n.OPC_NORM, **fields, in_=self.value(node))
             self.acts[node] = bufs
         return self.acts[node]
+
+    def _norm_fields(self, norm: Node) -> dict:
+        """A NORM_QUANT's norm: RMSNorm, or LayerNorm (mean subtracted, bias added)."""
+        fields = {"norm_w": self.weights.vector(norm.params["weight"]), "eps": norm.params["eps"]}
+        if norm.kind == "layernorm":
+            fields.update(layer_norm=1, norm_b=self.weights.vector(norm.params["bias"]))
+        return fields
+
+    def _bias(self, name: str | None):
+        return None if name is None else self.weights.vector(name)
 
     def _act_fields(self, bufs: dict[int, tuple[int, Buf]], width: int) -> dict:
         fields: dict[str, Any] = {"n_act": len(bufs), "cols": width}
@@ -191,7 +209,7 @@ class Lowering:
         c = self.cfg
         if node.kind in ("embed", "add", "moe"):
             return c.dim
-        if node.kind == "rmsnorm":
+        if node.kind in ("rmsnorm", "layernorm", "activation"):
             return self._width(node.inputs[0])
         if node.kind == "glu":
             return self.weights.matrix(node.params["gate"]).layout["rows"]
@@ -223,28 +241,43 @@ class Lowering:
         residual, branch = node.inputs
         res = self.value(residual)
         out = self._floats(self.cfg.dim)
-        if branch.kind == "linear" and branch.params["bias"] is None:
-            self._matmul(branch, out, res)
-        elif branch.kind == "moe":
+        scale = node.params["scale"]
+        if branch.kind == "linear":
+            self._matmul(branch, out, res, scale)
+        elif branch.kind == "moe" and scale == 1.0:
             self._moe(branch, out, res)
-        elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear":
+        elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear" and scale == 1.0:
             tmp = self._floats(self.cfg.dim)
             self._matmul(branch.inputs[0], tmp, None)
             self._emit(kind=self.n.OP_NORM_ADD, op_class=self.n.OPC_NORM, cols=self.cfg.dim, in_=tmp, res=res, out=out,
                        norm_w=self.weights.vector(branch.params["weight"]), eps=branch.params["eps"])
         else:
-            raise CompileError(f"no native op adds a {branch.kind} to the residual stream")
+            raise CompileError(f"no native op adds a {branch.kind} (scaled by {scale}) to the residual stream")
         self.residuals.append(out)
         return out
 
-    def _matmul(self, linear: Node, out: Buf, res: Buf | None) -> None:
+    def _value_activation(self, node: Node) -> Buf:
+        linear = node.inputs[0]
+        if linear.kind != "linear":
+            raise CompileError(f"no native op applies an activation to a {linear.kind}")
+        out = self._floats(self._width(linear))
+        self._matmul(linear, out, None, activate=self._act_kind(node.params["act"]))
+        return out
+
+    def _act_kind(self, act: str) -> int:
+        return {"silu": self.n.ACT_SILU, "gelu_tanh": self.n.ACT_GELU_TANH}[act]
+
+    def _matmul(self, linear: Node, out: Buf, res: Buf | None, scale: float = 1.0,
+                activate: int | None = None) -> None:
         w = self.weights.matrix(linear.params["weight"])
         acts, idx = self._act_index(linear.inputs[0], linear.params["weight"])
         fields = self._act_fields(acts, self._width(linear.inputs[0]))
         precise = linear.inputs[0] in self.precise
         chunk = self._chunk_tiles(w)
         self._emit(kind=self.n.OP_MATMUL, op_class=self.n.OPC_MATMUL, **fields, rows=w.layout["rows"], w=w.address, w_act=idx,
-                   out=out, res=res, chunk_tiles=chunk, precise=int(precise))
+                   out=out, res=res, chunk_tiles=chunk, precise=int(precise), scale=scale,
+                   bias=self._bias(linear.params["bias"]),
+                   **({} if activate is None else {"activate": 1, "glu_act": activate}))
 
     def _moe(self, node: Node, out: Buf, res: Buf | None) -> None:
         e, x, w = node.params["experts"], node.inputs[0], self.weights
@@ -290,17 +323,18 @@ class Lowering:
         rows = gate.layout["rows"]
         out = self._floats(rows)
         chunk = min(self._chunk_tiles(gate), self._chunk_tiles(up))
-        act = {"silu": self.n.ACT_SILU, "gelu_tanh": self.n.ACT_GELU_TANH}[node.params["act"]]
+        act = self._act_kind(node.params["act"])
         self._emit(kind=self.n.OP_GLU, op_class=self.n.OPC_MATMUL, **self._act_fields(acts, self._width(node.inputs[0])), rows=rows,
-                   w=gate.address, w2=up.address, w_act=gi, w2_act=ui, glu_act=act, out=out, chunk_tiles=chunk)
+                   w=gate.address, w2=up.address, w_act=gi, w2_act=ui, glu_act=act, out=out, chunk_tiles=chunk,
+                   bias=self._bias(node.params["gate_bias"]), bias2=self._bias(node.params["up_bias"]))
         return out
 
     def _value_attention(self, node: Node) -> Buf:
         layer, attn = node.params["layer"], node.params["attn"]
         (q_lin, q_norm, rope), (k_lin, k_norm, k_rope), (v_lin, v_norm, v_rope) = (
             self._projection(x) for x in node.inputs)
-        if v_norm is not None or v_rope is not None or rope is None or rope != k_rope:
-            raise CompileError("attention expects rope on q and k, and a plain v projection")
+        if v_norm is not None or v_rope is not None or rope != k_rope:
+            raise CompileError("attention expects the same rope (or none) on q and k, and a plain v projection")
         h = q_lin.inputs[0]
         if k_lin.inputs[0] is not h or v_lin.inputs[0] is not h:
             raise CompileError("q, k and v must project the same input")
@@ -308,12 +342,14 @@ class Lowering:
         fields = self._act_fields(acts, self._width(h))
         hd = attn.head_dim
         q = self._floats(attn.n_heads * hd)
-        norms = {}
+        norms, whole = {}, self._whole_projection_norms(q_norm, k_norm, attn)
         for prefix, norm in (("qnorm", q_norm), ("knorm", k_norm)):
             if norm is not None:
                 norms[f"{prefix}.weight"] = self.weights.vector(norm.params["weight"])
                 norms[f"{prefix}.eps"] = norm.params["eps"]
-        cos, sin = self.ropes(rope)
+        if whole:  # the raw projections of every row, normalized and roped once all heads are in
+            norms.update(qk_norm_whole=1, qk_raw=self._floats((attn.n_heads + attn.n_kv_heads) * hd))
+        cos, sin = self.ropes(rope) if rope is not None else (None, None)
         k_cache, v_cache = self.kv(layer)
         index = {}
         for name, lin in (("q", q_lin), ("k", k_lin), ("v", v_lin)):
@@ -329,11 +365,30 @@ class Lowering:
                       k_cache=k_cache, v_cache=v_cache)
         self._emit(kind=self.n.OP_QKV, op_class=self.n.OPC_MATMUL, **fields, **index, **norms, **common, precise=int(h in self.precise),
                    chunk_heads=chunk_heads,
-                   **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim, "rope.neox": int(rope.neox)})
+                   **{"rope.cos": cos, "rope.sin": sin, "rope.dim": rope.dim if rope else 0,
+                      "rope.neox": int(rope.neox) if rope else 0})
         out = self._floats(attn.n_heads * hd)
         self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
                    negate=int(layer == self.negate_layer))
         return out
+
+    @staticmethod
+    def _whole_projection_norms(q_norm: Node | None, k_norm: Node | None, attn) -> bool:
+        """Whether q and k are normalized over the whole projection (OLMo2) rather than per head; for a
+        projection of one head the two are the same."""
+        if (q_norm is None) != (k_norm is None):
+            raise CompileError("q and k must both be normalized, or neither")
+        whole = set()
+        for norm, heads in ((q_norm, attn.n_heads), (k_norm, attn.n_kv_heads)):
+            if norm is None:
+                continue
+            if norm.params["heads"] not in (1, heads):
+                raise CompileError(f"a q/k norm over {norm.params['heads']} groups of {heads} heads")
+            if heads > 1:
+                whole.add(norm.params["heads"] == 1)
+        if len(whole) > 1:
+            raise CompileError("q is normalized per head and k over its whole projection, or the other way")
+        return whole == {True}
 
     @staticmethod
     def _projection(node: Node) -> tuple[Node, Node | None, Rope | None]:
@@ -349,7 +404,7 @@ class Lowering:
 
     def _logits(self, node: Node) -> None:
         x = node.inputs[0]
-        if x.kind != "rmsnorm":
+        if x.kind not in ("rmsnorm", "layernorm"):
             raise CompileError("logits expect a normalized input")
         w = self.weights.matrix(node.params["weight"])
         fmt = w.layout["fmt"]
@@ -358,14 +413,14 @@ class Lowering:
         fields = {"n_act": 1, "cols": width, "act_fmt[0]": fmt, "act[0]": act, "precise": 1}
         self.hidden = self._floats(width, self.out_rows)
         self._emit(kind=self.n.OP_NORM_QUANT, op_class=self.n.OPC_HEAD, **fields, select_rows=1, in_=self.value(x.inputs[0]),
-                   out=self.hidden, norm_w=self.weights.vector(x.params["weight"]),
-                   eps=x.params["eps"])
+                   out=self.hidden, **self._norm_fields(x))
         vocab = w.layout["rows"]
         self.logits = self._floats(vocab, self.out_rows)
         lo = self.weights.remainder(node.params["weight"])
         split = {"w2": lo.address, "act[1]": Buf(self.n.act_size(fmt, width, 2 * self.out_rows))} if lo else {}
         self._emit(kind=self.n.OP_LOGITS, op_class=self.n.OPC_HEAD, **fields, **split, rows=vocab, w=w.address, w_act=0,
-                   out=self.logits, chunk_tiles=self._chunk_tiles(w))
+                   out=self.logits, chunk_tiles=self._chunk_tiles(w), bias=self._bias(node.params["bias"]),
+                   scale=node.params["scale"])
 
 
 def assign_offsets(ops: list[dict], extra: list[Buf], reuse: bool, align: int = 64,

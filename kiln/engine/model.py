@@ -40,8 +40,9 @@ class Model:
 
 
 def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: int = 1,
-         threads: int | None = None, store=None, progress: bool = True) -> Model:
-    """Load a model by tag or GGUF path, pulling catalog tags that are not installed yet."""
+         threads: int | None = None, store=None, progress: bool = True, pool=None) -> Model:
+    """Load a model by tag or GGUF path, pulling catalog tags that are not installed yet. `pool`: a native
+    thread pool shared with other loaded models (the server's), instead of one of the engine's own."""
     from kiln.store import Store
 
     if backend not in BACKENDS:
@@ -57,7 +58,7 @@ def load(ref: str, *, backend: str = "auto", n_ctx: int | None = None, n_slots: 
     if not 1 <= n_ctx <= cfg.context_length:
         raise KilnError(f"context length {n_ctx} is outside 1..{cfg.context_length}, the most {record.tag} supports")
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir=cache_dir)
-    engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, record.sha256)
+    engine = make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, record.sha256, pool)
     release_free_heap()
     load_ms = (time.perf_counter() - t0) * 1e3
     return Model(record.tag, Path(record.path), record.sha256, gguf, cfg, tokenizer, engine, n_ctx, load_ms,
@@ -73,7 +74,7 @@ def release_free_heap() -> None:
         pass
 
 
-def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256) -> Engine:
+def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_sha256, pool=None) -> Engine:
     """The native core when it is built (or asked for), else the numpy oracle."""
     from kiln.engine import native
     from kiln.engine.oracle import OracleEngine
@@ -81,4 +82,4 @@ def make_engine(gguf, family, backend, n_ctx, n_slots, threads, cache_dir, gguf_
     if backend == "oracle" or (backend == "auto" and not native.available()):
         return OracleEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots)
     return native.NativeEngine(gguf, family, n_ctx=n_ctx, n_slots=n_slots, threads=threads, cache_dir=cache_dir,
-                               gguf_sha256=gguf_sha256)
+                               gguf_sha256=gguf_sha256, pool=pool)

@@ -386,14 +386,16 @@ class NativeEngine:
 
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, threads: int | None = None,
                  cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
-                 gguf_sha256: str | None = None, guard: bool = False):
-        """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests."""
+                 gguf_sha256: str | None = None, guard: bool = False, pool=None):
+        """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests. `pool`: a
+        thread pool shared with other engines (their steps must never overlap: scheduler.Turns); by
+        default the engine makes its own of `threads`."""
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
         self.gguf, self.config, self.n_ctx, self.n_slots = gguf, family.config, n_ctx, n_slots
-        self.threads = threads or physical_cores()
-        self.pool = _native.Pool(self.threads)
+        self.pool = pool or _native.Pool(threads or physical_cores())
+        self.threads = self.pool.threads
         from kiln.native.kernels import active_isa
 
         self.processor = f"CPU ({active_isa()}, {self.threads} thread{'s' if self.threads != 1 else ''})"
@@ -450,7 +452,7 @@ class NativeEngine:
 
     def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         if rope not in self.ropes:
-            inv = rope.inv_freq(self.weights.vector)
+            inv = rope.inv_freq(self.weights.vector, self.n_ctx)
             cos, sin = rope_angles(rope, np.arange(self.kv_ctx), inv)
             self.ropes[rope] = (np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32))
         return self.ropes[rope]
@@ -519,4 +521,4 @@ class NativeEngine:
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
 
     def close(self) -> None:
-        self.decode_plan = self.prefill_plan = None
+        self.decode_plan = self.prefill_plan = self._last_plan = None

@@ -28,6 +28,8 @@ ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
 def rope_angles(rope: Rope, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     angles = np.outer(positions.astype(np.float32) * np.float32(rope.position_scale), inv_freq.astype(np.float32))
+    if rope.attn_factor != 1.0:
+        return np.cos(angles) * np.float32(rope.attn_factor), np.sin(angles) * np.float32(rope.attn_factor)
     return np.cos(angles), np.sin(angles)
 
 
@@ -107,17 +109,26 @@ class NumpyOps:
         out = attend(q, keys[:end].astype(np.float32, copy=False), values[:end].astype(np.float32, copy=False), self.positions, attn)
         return -out if layer == self.e.negate_layer else out
 
-    def glu(self, x, gate, up, act):
-        return ACTIVATIONS[act](self.linear(x, gate)) * self.linear(x, up)
+    def glu(self, x, gate, up, act, gate_bias=None, up_bias=None):
+        return ACTIVATIONS[act](self.linear(x, gate, gate_bias)) * self.linear(x, up, up_bias)
 
-    def add(self, a, b):
-        self.hidden.append(a + b)
+    def layernorm(self, x, weight, bias, eps):
+        centered = x - x.mean(axis=-1, keepdims=True)
+        inv = 1.0 / np.sqrt(np.mean(centered * centered, axis=-1, keepdims=True) + np.float32(eps))
+        return ((centered * inv) * self.e.weight(weight) + self.e.weight(bias)).astype(np.float32, copy=False)
+
+    def activation(self, x, act):
+        return ACTIVATIONS[act](x)
+
+    def add(self, a, b, scale=1.0):
+        self.hidden.append(a + b * np.float32(scale) if scale != 1.0 else a + b)
         return self.hidden[-1]
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, bias=None, scale=1.0):
         rows = x if self.all_logits else x[-1:]
         self.final = rows
-        return self.linear(rows, weight)
+        out = self.linear(rows, weight, bias)
+        return out * np.float32(scale) if scale != 1.0 else out
 
     def moe(self, x, e):
         chosen, weights = route(self.linear(x, e.router), e)
@@ -167,7 +178,7 @@ class OracleEngine:
 
     def inv_freq(self, rope: Rope) -> np.ndarray:
         if rope not in self._inv_freq:
-            self._inv_freq[rope] = rope.inv_freq(self.weight)
+            self._inv_freq[rope] = rope.inv_freq(self.weight, self.n_ctx)
         return self._inv_freq[rope]
 
     def forward(self, tokens, slot: int = 0, start: int = 0, all_logits: bool = False) -> np.ndarray:

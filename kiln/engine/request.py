@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln import thinking
+from kiln import harmony, thinking
 from kiln import tools as toolcalls
 from kiln.engine import fim
 from kiln.engine.sequence import Sequence, plan_budget
@@ -76,6 +76,7 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
         raise ContextLengthError((Field(prompt_field), ": ", *e.parts), prompt_field) from None
     if not ids:
         raise RequestError((Field(prompt_field), " is empty"), prompt_field)
+    framed = isinstance(reasoning, harmony.HarmonyParser)  # gpt-oss's messages frame its calls
     if request.embed:
         budget = 1
     else:
@@ -86,7 +87,8 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     params = sampling_params(model, request.sampling)
     constraint = None
     if use_tools and request.tool_choice != "auto":
-        constraint = Constraint(tok, toolcalls.forced_call_grammar(request.tools, request.tool_choice), "tool_choice")
+        forced = harmony.forced_call_grammar if framed else toolcalls.forced_call_grammar
+        constraint = Constraint(tok, forced(request.tools, request.tool_choice), "tool_choice")
     elif request.format is not None:
         schema = None if request.format == ANY_JSON else request.format
         constraint = Constraint(tok, json_grammar(schema, "format"), "format")
@@ -104,6 +106,8 @@ def prepare(model: Model, request: GenerationRequest, drafter: ModelDrafter | No
     seq = Sequence(ids, params, tok, budget, stop=stop, stop_ids=stop_ids,
                    logprobs=request.logprobs, constraint=constraint, logit_bias=request.logit_bias,
                    speculation=speculation(options, drafter, SPECULATIVE[0]))
+    if framed:  # its messages frame reasoning, answer and calls alike: one parser reads all three
+        return seq, reasoning.with_tools(toolcalls.tool_names(request.tools) if use_tools else None)
     calls = ToolCallParser(toolcalls.tool_names(request.tools)) if use_tools else None
     if reasoning is not None and calls is not None:
         reasoning.ends_at = toolcalls.OPEN
@@ -127,7 +131,7 @@ def _uses_tools(request: GenerationRequest) -> bool:
 
 
 def _chat_text(model: Model, request: GenerationRequest,
-               use_tools: bool) -> tuple[str, thinking.ReasoningParser | None]:
+               use_tools: bool) -> tuple[str, thinking.ReasoningParser | harmony.HarmonyParser | None]:
     """A chat request's prompt text, and the parser of the reasoning its reply holds."""
     tok = model.tokenizer
     chat = request.messages or []
@@ -165,7 +169,7 @@ def _template_variables(model: Model, request: GenerationRequest,
 
 
 def _render(model: Model, request: GenerationRequest, messages: list[dict],
-            tools: list[dict] | None = None) -> tuple[str, thinking.ReasoningParser | None]:
+            tools: list[dict] | None = None) -> tuple[str, thinking.ReasoningParser | harmony.HarmonyParser | None]:
     """The chat template's prompt, with the request's thinking switch, and the parser of the reasoning
     the reply holds when the template thinks (inside the block from the start when the prompt opens it)."""
     style = thinking.thinking_style(model.tokenizer.chat_template)
@@ -173,11 +177,13 @@ def _render(model: Model, request: GenerationRequest, messages: list[dict],
     text = model.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=model.n_ctx, **variables)
     if style is None:
         return text, None
+    if style.harmony:
+        return text, harmony.HarmonyParser(keep)
     return text, thinking.ReasoningParser(style, text.rstrip().endswith(style.open), keep)
 
 
 def _prompt_ids(model: Model, request: GenerationRequest,
-                use_tools: bool) -> tuple[list[int], thinking.ReasoningParser | None]:
+                use_tools: bool) -> tuple[list[int], thinking.ReasoningParser | harmony.HarmonyParser | None]:
     """The prompt's token ids, and the parser of the reasoning the reply holds when the template thinks."""
     tok = model.tokenizer
     reasoning = None

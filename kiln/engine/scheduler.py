@@ -21,6 +21,9 @@ slot never counts as held (later passes overwrite it).
 
 Requests arrive from other threads through `submit` (bounded: a full queue raises QueueFullError) and
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
+
+Several schedulers (one per model the server holds) may share one native thread pool: each takes its
+steps through a `Turns` they share, so one step runs on the pool at a time, in the order they asked.
 """
 
 from __future__ import annotations
@@ -120,9 +123,35 @@ class Batch:
         return spans
 
 
+class Turns:
+    """One step at a time across the schedulers that share a thread pool, taken in the order asked (a
+    ticket lock): a scheduler that finished a step and asks again queues behind the others that wait,
+    so models with work alternate step by step and none starves."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cv:
+            ticket = self._issued
+            self._issued += 1
+            while ticket != self._serving:
+                self._cv.wait()
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None):
+    def __init__(self, engine: Engine, n_slots: int, max_queue: int, prefill_chunk: int | None = None,
+                 turns: Turns | None = None):
+        """`turns`: shared with the schedulers of other engines on the same thread pool (None: alone)."""
         self.engine = engine
+        self.turns = turns or Turns()
         limits = engine.limits
         self.max_rows, self.max_decode, self.max_out = limits.rows, limits.batch, limits.out_rows
         self.chunk = min(prefill_chunk or self.max_rows, self.max_rows)
@@ -202,17 +231,23 @@ class Scheduler:
             pass
 
     def step(self) -> bool:
-        """schedule → run → postprocess, once; False when the scheduler is stopping."""
-        if (batch := self.schedule()) is None:
-            return False
-        if batch.tokens and (logits := self.run(batch)) is not None:
-            self.postprocess(batch, logits)
+        """schedule → run → postprocess, once, in this scheduler's turn; False when it is stopping."""
+        self._wait_for_work()  # outside the turn: an idle model holds no other up
+        with self.turns:
+            if (batch := self._take_batch()) is None:
+                return False
+            if batch.tokens and (logits := self.run(batch)) is not None:
+                self.postprocess(batch, logits)
         return True
 
-    def schedule(self) -> Batch | None:
+    def _wait_for_work(self) -> None:
         with self._cv:
             while not (self._stopping or self.waiting or self.running):
                 self._cv.wait()
+
+    def _take_batch(self) -> Batch | None:
+        """The next step's batch (empty when cancellations left nothing to run); None when stopping."""
+        with self._cv:
             if self._stopping:
                 return None
             for req in [r for r in self.running if r.cancelled]:
@@ -373,8 +408,16 @@ class Scheduler:
         prompt = seq.prompt_ids
         longest = len(prompt) - 1  # the last prompt token is always recomputed: its logits are needed
         # Longest shared prefix first; among equals, the least recently used slot, so fresh caches live on.
-        slot = max(self.free, key=lambda s: (common_prefix(self.slot_tokens[s], prompt), -self.slot_used[s]))
-        cached = min(common_prefix(self.slot_tokens[slot], prompt), longest)
+        # A slot that would keep less than half of what it caches (another system prompt, sharing only the
+        # template's opening) is not reused while a slot is free that loses less: a later request may
+        # bring that prompt back (llama-server's slot similarity does the same).
+        shares = {s: common_prefix(self.slot_tokens[s], prompt) for s in self.free}
+        reusable = [s for s in self.free if 2 * shares[s] >= len(self.slot_tokens[s])]
+        if reusable:
+            slot = max(reusable, key=lambda s: (shares[s], -self.slot_used[s]))
+        else:
+            slot = min(self.free, key=lambda s: self.slot_used[s])
+        cached = min(shares[slot], longest)
         # A busy slot may hold more of it (clients that send the same system prompt at once): then that
         # prefix's KV is copied into the least recently used free slot, for a fraction of a prefill's cost.
         shared, source = max(((min(common_prefix(r.seq.all_ids[: r.fed], prompt), longest), r.seq.slot)

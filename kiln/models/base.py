@@ -27,11 +27,22 @@ class Rope:
     neox: bool
     freq_factors: str | None = None  # tensor holding per-frequency divisors (Llama 3 scaling)
     position_scale: float = 1.0  # linear scaling: positions are multiplied by this
+    # LongRoPE (Phi-3): a context longer than `original_context` divides by `long_factors` instead of
+    # `freq_factors` (llama.cpp chooses by the context a sequence is given, not by its current length)
+    long_factors: str | None = None
+    original_context: int = 0
+    attn_factor: float = 1.0  # cos and sin are multiplied by this (LongRoPE's attention factor)
 
-    def inv_freq(self, weights_lookup=None) -> np.ndarray:
+    def factors_for(self, n_ctx: int) -> str | None:
+        if self.long_factors is not None and n_ctx > self.original_context:
+            return self.long_factors
+        return self.freq_factors
+
+    def inv_freq(self, weights_lookup=None, n_ctx: int = 0) -> np.ndarray:
         inv = 1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.float64) / self.dim))
-        if self.freq_factors is not None:
-            inv = inv / np.asarray(weights_lookup(self.freq_factors), dtype=np.float64)
+        factors = self.factors_for(n_ctx)
+        if factors is not None:
+            inv = inv / np.asarray(weights_lookup(factors), dtype=np.float64)
         return inv
 
 
@@ -43,7 +54,7 @@ class Attention:
     n_kv_heads: int
     head_dim: int
     scale: float
-    rope: Rope
+    rope: Rope | None  # None: the layer's positions come from the causal mask alone (NoPE)
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
 
 
@@ -107,9 +118,13 @@ class Ops(Protocol):
     def linear(self, x: Any, weight: str, bias: str | None = None) -> Any: ...
     def rope(self, x: Any, rope: Rope, heads: int) -> Any: ...
     def attention(self, layer: int, q: Any, k: Any, v: Any, attn: Attention) -> Any: ...
-    def glu(self, x: Any, gate: str, up: str, act: str) -> Any: ...
-    def add(self, a: Any, b: Any) -> Any: ...
-    def logits(self, x: Any, weight: str) -> Any: ...
+    def glu(self, x: Any, gate: str, up: str, act: str, gate_bias: str | None = None,
+            up_bias: str | None = None) -> Any: ...
+    def add(self, a: Any, b: Any, scale: float = 1.0) -> Any: ...  # a + scale * b
+    def logits(self, x: Any, weight: str, bias: str | None = None,
+               scale: float = 1.0) -> Any: ...  # scale * (W · x + bias)
+    def layernorm(self, x: Any, weight: str, bias: str, eps: float) -> Any: ...
+    def activation(self, x: Any, act: str) -> Any: ...
     def moe(self, x: Any, experts: Experts) -> Any: ...
 
 
@@ -194,9 +209,12 @@ def rope_scale(m: Meta) -> float:
     return 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
 
 
-def base_config(m: Meta, **overrides) -> dict:
-    """The fields every family reads the same way from llama.cpp's metadata keys (and its defaults)."""
+def base_config(m: Meta, moe: bool = False, **overrides) -> dict:
+    """The fields every family reads the same way from llama.cpp's metadata keys (and its defaults). A dense
+    family's file is refused if it names experts; `moe=True`: the caller's family reads those keys itself."""
     gguf = m.gguf
+    if not moe:
+        refuse_experts(m)
     n_layers = m.integer("block_count", hi=MAX_LAYERS)
     dim = m.integer("embedding_length")
     n_heads = m.integer("attention.head_count", hi=dim)
@@ -220,7 +238,7 @@ def base_config(m: Meta, **overrides) -> dict:
         ffn_dim=m.integer("feed_forward_length"),
         vocab_size=vocab,
         context_length=m.integer("context_length", hi=MAX_CONTEXT),
-        norm_eps=m.number("attention.layer_norm_rms_epsilon", hi=1.0),
+        norm_eps=overrides["norm_eps"] if "norm_eps" in overrides else m.number("attention.layer_norm_rms_epsilon", hi=1.0),
         tied_embeddings="output.weight" not in gguf.tensors,
         name=str(gguf.get("general.name", gguf.path.stem)),
     )

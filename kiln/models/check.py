@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.errors import ModelFileError, UnsupportedModelError
-from kiln.gguf import GGUFFile, StringArray, describe, is_int
+from kiln.gguf import GGUFFile, StringArray, describe, is_int, parse_row_view
 from kiln.models.base import Attention, Experts, ModelConfig, Rope
 
 # what the tokenizer's keys hold (llama.cpp's types); per-token arrays have one entry per token
@@ -39,15 +39,35 @@ class ShapeCheck:
         self.gguf, self.cfg = gguf, cfg
         self.used: set[str] = set()
         self.missing: list[str] = []
+        self.view_ends: dict[str, int] = {}  # a fused tensor read in parts: the last row any part reads
 
     # ---- tensors ---------------------------------------------------------------------------------
     def _shape(self, name: str) -> tuple[int, ...] | None:
+        view = parse_row_view(name)
+        if view is not None:
+            return self._view_shape(*view)
         self.used.add(name)
         if name not in self.gguf.tensors:
             if name not in self.missing:
                 self.missing.append(name)
             return None
         return self.gguf.tensors[name].shape
+
+    def _view_shape(self, base: str, start: int, stop: int) -> tuple[int, ...] | None:
+        """Rows [start, stop) of a fused tensor; the parts must end where the tensor does (`check_views`)."""
+        got = self._shape(base)
+        if got is None:
+            return None
+        self.view_ends[base] = max(self.view_ends.get(base, 0), stop)
+        if stop > got[0]:
+            raise self._wrong(base, (stop, *got[1:]), got)
+        return (stop - start, *got[1:])
+
+    def check_views(self) -> None:
+        for base, end in self.view_ends.items():
+            got = self.gguf.tensors[base].shape
+            if got[0] != end:
+                raise self._wrong(base, (end, *got[1:]), got)
 
     def _wrong(self, name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> ModelFileError:
         ggml = lambda shape: "[" + ", ".join(map(str, reversed(shape))) + "]"  # noqa: E731
@@ -106,8 +126,9 @@ class ShapeCheck:
         return out
 
     def rope(self, x, rope: Rope, heads):
-        if rope.freq_factors is not None:
-            self._expect(rope.freq_factors, rope.dim // 2)
+        for factors in (rope.freq_factors, rope.long_factors):
+            if factors is not None:
+                self._expect(factors, rope.dim // 2)
         return x
 
     def attention(self, layer, q, k, v, attn: Attention):
@@ -118,18 +139,30 @@ class ShapeCheck:
         self._need(v, attn.n_kv_heads * attn.head_dim, f"layer {layer}'s values")
         return Width(attn.n_heads * attn.head_dim)
 
-    def glu(self, x, gate, up, act):
-        for name in (gate, up):
+    def glu(self, x, gate, up, act, gate_bias=None, up_bias=None):
+        for name, bias in ((gate, gate_bias), (up, up_bias)):
             self._matrix(name, x.n, self.cfg.ffn_dim)
+            if bias is not None:
+                self._expect(bias, self.cfg.ffn_dim)
         return Width(self.cfg.ffn_dim)
 
-    def add(self, a, b):
+    def layernorm(self, x, weight, bias, eps):
+        self._vector(weight, x.n)
+        self._vector(bias, x.n)
+        return x
+
+    def activation(self, x, act):
+        return x
+
+    def add(self, a, b, scale=1.0):
         self._need(b, self.cfg.dim, "a residual branch")
         return Width(self.cfg.dim)
 
-    def logits(self, x, weight):
+    def logits(self, x, weight, bias=None, scale=1.0):
         self._need(x, self.cfg.dim, "the output head's input")
         self._matrix(weight, self.cfg.dim, self.cfg.vocab_size)
+        if bias is not None:
+            self._expect(bias, self.cfg.vocab_size)
         return Width(self.cfg.vocab_size)
 
     def moe(self, x, e: Experts):
@@ -153,6 +186,7 @@ def check_tensors(gguf: GGUFFile, cfg: ModelConfig, forward) -> None:
     the config implies."""
     check = ShapeCheck(gguf, cfg)
     forward(check, cfg)
+    check.check_views()
     unused = [name for name in gguf.tensors if name not in check.used]
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""

@@ -21,7 +21,7 @@ import numpy as np
 
 from kiln.gguf import is_int
 from kiln.models.base import (MAX_CONTEXT, Attention, Meta, ModelConfig, Ops, Rope, base_config, check_rope,
-                              output_weight, refuse_experts, rope_scale)
+                              output_weight, rope_scale)
 
 # llama.cpp's defaults where the file does not say: every sixth layer attends over the whole context, and
 # the local layers' RoPE base
@@ -35,7 +35,6 @@ class Gemma3Config(ModelConfig):
 
 
 def config_from_gguf(m: Meta) -> Gemma3Config:
-    refuse_experts(m)
     cfg = Gemma3Config(**base_config(m), sliding_window=m.integer("attention.sliding_window", hi=MAX_CONTEXT))
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         m.absent(key, "kiln's gemma3 family does not soft-cap")

@@ -27,7 +27,7 @@ class MoeConfig(LlamaConfig):
 
 def config_from_gguf(m: Meta) -> MoeConfig:
     qwen3 = m.arch == "qwen3moe"
-    base = llama.config_from_gguf(m, neox=True, dense=False, qk_norm=qwen3, qkv_bias=not qwen3)
+    base = llama.config_from_gguf(m, neox=True, moe=True, qk_norm=qwen3, qkv_bias=not qwen3)
     cfg = MoeConfig(**vars(base))
     n_experts = m.integer("expert_count", hi=MAX_EXPERTS)
     n_used = m.integer("expert_used_count", hi=n_experts)

@@ -51,6 +51,7 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(runtime.reap())]
         if preload:
+            runtime.loading = preload  # from the start: /health is 503 until it is loaded
             tasks.append(asyncio.create_task(_preload(runtime, preload, on_fatal)))
         yield
         for task in tasks:
@@ -108,6 +109,7 @@ async def _preload(runtime: Runtime, name: str, on_fatal) -> None:
     try:
         await runtime.preload(name, allow_path=True)
     except Exception as e:  # reported to the command, which stops the server with the message
+        runtime.loading = None
         log.error("could not load %s: %s", name, e)
         if on_fatal:
             on_fatal(e)

@@ -2,8 +2,9 @@
 /apply-template, /props and /slots; and /infill, the fill-in-the-middle endpoint editors call.
 
 llama-server serves one model; kiln serves whichever is named. Each request may name it (`model` in the
-body, `?model=` on a GET); unnamed, it is the loaded model. /props and /slots never load a model: with
-none loaded /slots is empty and /props says only what the server itself knows.
+body, `?model=` on a GET); unnamed, it is the loaded model used last. /props and /slots never load a
+model: /slots lists every loaded model's slots (each names its model), empty with none loaded; /props
+describes the model used last, and with none loaded says only what the server itself knows.
 """
 
 from __future__ import annotations
@@ -154,15 +155,12 @@ async def props(request: Request):
     return {"default_generation_settings": settings, **out}
 
 
-@router.get("/slots", responses={401: _ERRORS[401]}, summary="Each KV slot's state (llama-server)")
+@router.get("/slots", responses={401: _ERRORS[401]}, summary="Each loaded model's KV slots and their state (llama-server)")
 async def slots(request: Request):
-    loaded = _runtime(request).loaded
-    if loaded is None:
-        return []
-    n_ctx = loaded.model.n_ctx
-    return [{"id": s["id"], "id_task": s["request"] if s["request"] is not None else -1, "n_ctx": n_ctx,
+    return [{"id": s["id"], "id_task": s["request"] if s["request"] is not None else -1, "n_ctx": loaded.model.n_ctx,
              "is_processing": s["request"] is not None, "state": 0 if s["request"] is None else 1,
-             "tokens_cached": s["cached"], "model": loaded.tag} for s in loaded.scheduler.slots()]
+             "tokens_cached": s["cached"], "model": loaded.tag}
+            for loaded in list(_runtime(request).models.values()) for s in loaded.scheduler.slots()]
 
 
 def _sampling_defaults(model) -> dict:

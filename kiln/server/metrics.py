@@ -11,7 +11,8 @@ _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 class Metrics:
     def __init__(self, stats: Callable[[], dict]):
-        """`stats()` gives the scheduler's running/waiting/KV numbers at scrape time (zeros when no model is loaded)."""
+        """`stats()` gives the schedulers' running/waiting/KV numbers at scrape time, summed over the loaded
+        models (zeros when none is)."""
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests (embeddings' too), cached "
                                      "ones included", registry=r)
@@ -44,6 +45,8 @@ class Metrics:
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats()[key])
         Gauge("kiln_kv_cache_usage_ratio", "KV positions held by running requests / all KV positions",
               registry=r).set_function(lambda: stats()["kv_used"] / max(stats()["kv_capacity"], 1))
+        self.loads = Counter("kiln_model_loads", "Models loaded (first loads, reloads after an eviction, an expiry "
+                             "or another num_ctx), by model", ["model"], registry=r)
 
     def observe(self, api: str, finish_reason: str, timings) -> None:
         t = timings

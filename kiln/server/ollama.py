@@ -401,26 +401,26 @@ async def show(body: ModelRequest, request: Request):
     return {**shown, "system": record.system} if record.system is not None else shown
 
 
-@router.get("/ps", responses={401: _ERRORS[401]}, summary="The loaded model")
+@router.get("/ps", responses={401: _ERRORS[401]}, summary="The loaded models, the most recently used first")
 async def ps(request: Request):
     runtime = _runtime(request)
-    loaded = runtime.loaded
-    if loaded is None:
-        return {"models": []}
     keep = runtime.settings.keep_alive
-    if loaded.expires_at is not None:
-        expires = _iso(loaded.expires_at)
-    elif loaded.active and keep is not None:  # busy: its keep-alive starts when it is idle again
-        expires = _iso(datetime.now(timezone.utc).timestamp() + keep)
-    else:
-        expires = _FOREVER
-    r = loaded.record
-    requests = runtime.stats()  # beyond Ollama's fields: what `kiln ps` shows of the slots' use
-    return {"models": [{"name": r.tag, "model": r.tag, "size": r.size, "digest": r.sha256 or "",
-                        "details": _details(r), "expires_at": expires, "size_vram": 0,
-                        "context_length": loaded.model.n_ctx, "processor": loaded.model.engine.processor,
-                        "slots": runtime.settings.parallel, "running": requests["running"],
-                        "waiting": requests["waiting"]}]}
+    models = []
+    for loaded in sorted(runtime.models.values(), key=lambda m: m.last_used, reverse=True):
+        if loaded.expires_at is not None:
+            expires = _iso(loaded.expires_at)
+        elif loaded.active and keep is not None:  # busy: its keep-alive starts when it is idle again
+            expires = _iso(datetime.now(timezone.utc).timestamp() + keep)
+        else:
+            expires = _FOREVER
+        r = loaded.record
+        requests = loaded.scheduler.stats()  # beyond Ollama's fields: what `kiln ps` shows of the slots' use
+        models.append({"name": r.tag, "model": r.tag, "size": r.size, "digest": r.sha256 or "",
+                       "details": _details(r), "expires_at": expires, "size_vram": 0,
+                       "context_length": loaded.model.n_ctx, "processor": loaded.model.engine.processor,
+                       "slots": runtime.settings.parallel, "running": requests["running"],
+                       "waiting": requests["waiting"]})
+    return {"models": models}
 
 
 @router.post("/pull", responses=_ERRORS, summary="Pull a catalog model (NDJSON progress unless stream is false)")
