@@ -8,8 +8,8 @@
  *            row that chose it: both projections, the GLU, and the result quantized for the down
  *            projection (precise pairs, as the dense down projection's input)
  *   down     (pool) per chunk: one expert, a run of its down rows, for every row that chose it
- *   combine  (calling thread) out = residual + Σ weight · down output, in each row's top-k order, plus
- *            the shared expert's output times sigmoid(its scale)
+ *   combine  (calling thread) out = residual + scale · (Σ weight · down output, in each row's top-k order,
+ *            plus the shared expert's output times sigmoid(its scale)); scale: Granite's residual multiplier
  *
  * So each chosen expert's weights are read once per step for all the rows that chose it, and experts
  * no row chose are not read at all. A shared expert is one more "expert" that every row chose, reading
@@ -109,6 +109,7 @@ void kiln_moe_bounds(const kiln_op *op, kiln_bounds *b) {
         kiln_bounds_fail(b, "gate and up chunks of %d rows cut an activation group", cr);
         return;
     }
+    kiln_need_scale(b, op->scale);
     kiln_need_wmat(b, "w (router)", op->w, E, op->cols);
     if (b->failed) return;
     kiln_need_act(b, op->w_act, op->w, R);
@@ -360,10 +361,7 @@ int64_t kiln_moe_run(kiln_plan *p, job *j) {
     const float *weights = weights_of(op, R), *shared_logits = shared_logits_of(op, R);
     for (int t = 0; t < n; t++) {
         float *out = op->out + (size_t)t * dim;
-        if (op->res)
-            memcpy(out, op->res + (size_t)t * dim, sizeof(float) * dim);
-        else
-            memset(out, 0, sizeof(float) * dim);
+        memset(out, 0, sizeof(float) * dim);
         for (int c = 0; c < k; c++) {
             const float w = weights[(size_t)t * k + c], *y = op->moe_y + (size_t)r.slot_of[(size_t)t * k + c] * dim;
             for (int i = 0; i < dim; i++) out[i] += w * y[i];
@@ -373,6 +371,10 @@ int64_t kiln_moe_run(kiln_plan *p, job *j) {
             const float *y = op->moe_y + ((size_t)R * k + t) * dim;
             for (int i = 0; i < dim; i++) out[i] += g * y[i];
         }
+        if (op->scale != 1.0f)
+            for (int i = 0; i < dim; i++) out[i] *= op->scale;
+        if (op->res)
+            for (int i = 0; i < dim; i++) out[i] += op->res[(size_t)t * dim + i];
     }
     return wait;
 }

@@ -81,6 +81,11 @@ SHAPES = {
                        biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")),
     "phi4-mini": Shape("phi3", 3072, 32, 24, 8, 128, 8192, 200064, context_length=131072, rope_dim=96, long_rope=4096,
                        fused_qkv=True),
+    # OLMoE and Granite-MoE size their experts by feed_forward_length
+    "tiny-olmoe": Shape("olmoe", 64, 2, 4, 2, 16, 32, 512, tied=False, n_experts=8, n_experts_used=2,
+                        expert_ffn_dim=32),
+    "tiny-granitemoe": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
+                             expert_ffn_dim=64),
 }
 
 
@@ -264,6 +269,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         if a in ("qwen3", "gemma3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", hd)
             norm(p + "attn_k_norm.weight", hd)
+        if a == "olmoe":  # q/k norms over the whole projections
+            norm(p + "attn_q_norm.weight", q_dim)
+            norm(p + "attn_k_norm.weight", kv_dim)
         norm(p + "ffn_norm.weight", shape.dim)
         if shape.n_experts:
             _add_experts(w, rng, p, shape, qtype, random_blocks)
@@ -550,3 +558,5 @@ FAMILY_WRITERS: dict[str, FamilyWriter] = {
     "olmo2": FamilyWriter(lambda w, shape: None, _olmo2_tokenizer, _olmo2_layer),
     "smollm3": FamilyWriter(lambda w, shape: None, _smollm3_tokenizer),
 }
+FAMILY_WRITERS["olmoe"] = FamilyWriter(lambda w, shape: None, _olmo2_tokenizer)
+FAMILY_WRITERS["granitemoe"] = FamilyWriter(_granite_metadata, _granite_tokenizer)

@@ -24,6 +24,9 @@ class Builder:
     name: Callable[[str], str | None]
     unpermute_qk: bool = False  # llama.cpp's converter permutes q/k rows for its "normal" rope
     tensors: tuple[str, ...] = ()  # tensors whose values the config needs (LongRoPE's factors), given to it by name
+    # the named tensors → transformers' parameters, where it stores several GGUF tensors as one (an
+    # expert table's gate and up)
+    join: Callable[[dict], dict] | None = None
 
 
 def register_builder(arch: str, builder: Builder) -> None:
@@ -118,6 +121,8 @@ def hf_model_from_gguf(path: Path, builder: Builder):
             heads = n_heads if ".attn_q." in t.name else n_kv
             data = data.reshape(heads, data.shape[0] // heads // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(shape)
         state[name] = torch.from_numpy(np.ascontiguousarray(data))
+    if builder.join is not None:
+        state = builder.join(state)
     if getattr(config, "tie_word_embeddings", False):
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)

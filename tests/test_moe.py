@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE): the oracle against transformers, the native OP_MOE
+"""Mixture-of-experts families (Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE): the oracle against transformers, the native OP_MOE
 against the oracle on every ISA (prefill chunks in which some expert gets no row, batched decode whose rows
 choose different experts), and the file and plan checks around them."""
 
@@ -16,11 +16,58 @@ from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.synth import SHAPES, write_random_gguf
-from tests.reference import hf_greedy, hf_logits, rel_err
+from tests.reference import Builder, hf_greedy, hf_logits, register_builder, rel_err
+from tests.test_dense import _LLAMA_NAMES, _common, _granite_config
 from tests.test_models import oracle, oracle_greedy
 from tests.test_native import engines, kld
 
-MOE_FAMILIES = ["tiny-qwen3moe", "tiny-qwen2moe"]
+MOE_FAMILIES = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-granitemoe"]
+
+
+def _moe_config(meta: dict, base: dict, n_experts_field: str) -> dict:
+    a = meta["general.architecture"]
+    return {**base, n_experts_field: meta[f"{a}.expert_count"], "num_experts_per_tok": meta[f"{a}.expert_used_count"]}
+
+
+def _hf_moe_name(block: str):
+    """GGUF names → transformers', the expert tables' gate and up under names `_join_gate_up` fuses."""
+    moe = {"ffn_gate_inp": block + ".gate" if block == "mlp" else block + ".router",
+           "ffn_gate_exps": block + ".experts.gate", "ffn_up_exps": block + ".experts.up",
+           "ffn_down_exps": block + ".experts.down_proj"}
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+
+    def name(gguf_name: str) -> str:
+        if gguf_name in top:
+            return top[gguf_name]
+        _, layer, tensor, kind = gguf_name.split(".")
+        if tensor in moe:  # transformers' expert tables are parameters of their own, not .weight
+            return f"model.layers.{layer}.{moe[tensor]}" + (".weight" if tensor == "ffn_gate_inp" else "")
+        return f"model.layers.{layer}.{_LLAMA_NAMES[tensor]}.{kind}"
+
+    return name
+
+
+def _join_gate_up(state: dict) -> dict:
+    """transformers stacks each expert's gate rows, then its up rows, in one gate_up_proj."""
+    import torch
+
+    out = {k: v for k, v in state.items() if not k.endswith((".experts.gate", ".experts.up"))}
+    for k in state:
+        if k.endswith(".experts.gate"):
+            stem = k[: -len("gate")]
+            out[stem + "gate_up_proj"] = torch.cat([state[k], state[stem + "up"]], dim=1)
+    return out
+
+
+# llama.cpp converts OLMoE without permuting q/k, Granite-MoE through its Llama class (permuted)
+register_builder("olmoe", Builder(config=lambda meta: _moe_config(meta, {**_common(meta, "olmoe", tied=False),
+                                                                          "norm_topk_prob": False}, "num_experts"),
+                                  name=_hf_moe_name("mlp"), join=_join_gate_up))
+register_builder("granitemoe", Builder(config=lambda meta: _moe_config(meta, {**_granite_config(meta),
+                                                                              "model_type": "granitemoe"},
+                                                                       "num_local_experts"),
+                                       name=_hf_moe_name("block_sparse_moe"), unpermute_qk=True, join=_join_gate_up))
 
 
 def prompt(n: int, seed: int = 5) -> list[int]:
@@ -151,6 +198,8 @@ def test_moe_plan_checks_its_experts_and_buffers(tmp_path):
         patched("moe_gating", 1)
     with pytest.raises(ValueError, match=r"gate and up chunks of 4 rows cut an activation group"):
         patched("chunk_tiles", 1)
+    with pytest.raises(ValueError, match=rf"plan op {moe} \(MOE, layer \d+\): scale is 0"):
+        patched("scale", 0)  # the residual multiplier's float, all bits zero
 
 
 def test_moe_undersized_scratch_is_caught(tmp_path):
@@ -199,6 +248,14 @@ def test_dense_families_refuse_experts(tmp_path, shape):
     path = write_random_gguf(tmp_path / "e.gguf", shape, n_experts=4, n_experts_used=2, expert_ffn_dim=32)
     with pytest.raises(ModelFileError, match=rf"'{arch}.expert_count' is 4, expected an integer in 0..0"):
         family_for(GGUFFile(path))
+
+
+def test_olmoe_and_granitemoe_files_are_checked(tmp_path):
+    """Both size their experts by feed_forward_length; kiln's Granite-MoE has no shared expert."""
+    with pytest.raises(ModelFileError, match=r"'olmoe.expert_feed_forward_length' is 16, expected an integer in 32..32"):
+        family_for(GGUFFile(write_random_gguf(tmp_path / "a.gguf", "tiny-olmoe", expert_ffn_dim=16)))
+    with pytest.raises(UnsupportedModelError, match=r"'granitemoe.expert_shared_feed_forward_length' is set"):
+        family_for(GGUFFile(write_random_gguf(tmp_path / "b.gguf", "tiny-granitemoe", shared_ffn_dim=32)))
 
 
 def test_active_parameters_and_bytes_per_decode_row(tmp_path):

@@ -244,8 +244,8 @@ class Lowering:
         scale = node.params["scale"]
         if branch.kind == "linear":
             self._matmul(branch, out, res, scale)
-        elif branch.kind == "moe" and scale == 1.0:
-            self._moe(branch, out, res)
+        elif branch.kind == "moe":
+            self._moe(branch, out, res, scale)
         elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear" and scale == 1.0:
             tmp = self._floats(self.cfg.dim)
             self._matmul(branch.inputs[0], tmp, None)
@@ -279,7 +279,7 @@ class Lowering:
                    bias=self._bias(linear.params["bias"]),
                    **({} if activate is None else {"activate": 1, "glu_act": activate}))
 
-    def _moe(self, node: Node, out: Buf, res: Buf | None) -> None:
+    def _moe(self, node: Node, out: Buf, res: Buf | None, scale: float = 1.0) -> None:
         e, x, w = node.params["experts"], node.inputs[0], self.weights
         if e.gating != "softmax" or e.act != "silu":
             raise CompileError(f"no native op routes by {e.gating!r} into {e.act!r} experts")
@@ -314,7 +314,7 @@ class Lowering:
                    moe_route=Buf(4 * route_ints), moe_gates=Buf(4 * (rows * e.n_experts + pairs + rows)),
                    moe_x=Buf(pairs * self.n.act_size(gate.layout["fmt"], width, 1)),
                    moe_h=Buf(2 * pairs * self.n.act_size(down.layout["fmt"], e.ff_dim, 1)),
-                   moe_y=Buf(4 * (pairs + rows) * dim), out=out, res=res, **shared)
+                   moe_y=Buf(4 * (pairs + rows) * dim), out=out, res=res, scale=scale, **shared)
 
     def _value_glu(self, node: Node) -> Buf:
         gate, up = (self.weights.matrix(node.params[k]) for k in ("gate", "up"))
