@@ -86,6 +86,8 @@ SHAPES = {
                         expert_ffn_dim=32),
     "tiny-granitemoe": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
                              expert_ffn_dim=64),
+    "tiny-granitemoe-shared": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
+                                    expert_ffn_dim=64, shared_ffn_dim=32),
 }
 
 
@@ -465,7 +467,8 @@ def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, rando
         sff = shape.shared_ffn_dim
         for name, rows, cols in (("gate", sff, dim), ("up", sff, dim), ("down", dim, sff)):
             _add(w, p + f"ffn_{name}_shexp.weight", _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)
-        _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
+        if shape.arch == "qwen2moe":  # its shared expert's sigmoid gate (Granite-MoE-Shared's has none)
+            _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
 
 
 # ---- families whose files depart from the Llama layout above -------------------------------------------

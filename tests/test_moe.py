@@ -21,7 +21,7 @@ from tests.test_dense import _LLAMA_NAMES, _common, _granite_config
 from tests.test_models import oracle, oracle_greedy
 from tests.test_native import engines, kld
 
-MOE_FAMILIES = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-granitemoe"]
+MOE_FAMILIES = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-granitemoe", "tiny-granitemoe-shared"]
 
 
 def _moe_config(meta: dict, base: dict, n_experts_field: str) -> dict:
@@ -33,7 +33,10 @@ def _hf_moe_name(block: str):
     """GGUF names → transformers', the expert tables' gate and up under names `_join_gate_up` fuses."""
     moe = {"ffn_gate_inp": block + ".gate" if block == "mlp" else block + ".router",
            "ffn_gate_exps": block + ".experts.gate", "ffn_up_exps": block + ".experts.up",
-           "ffn_down_exps": block + ".experts.down_proj"}
+           "ffn_down_exps": block + ".experts.down_proj",
+           # Granite-MoE-Shared's shared expert
+           "ffn_gate_shexp": "shared_mlp.gate", "ffn_up_shexp": "shared_mlp.up",
+           "ffn_down_shexp": "shared_mlp.output_linear.weight"}
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 
@@ -49,25 +52,34 @@ def _hf_moe_name(block: str):
 
 
 def _join_gate_up(state: dict) -> dict:
-    """transformers stacks each expert's gate rows, then its up rows, in one gate_up_proj."""
+    """transformers stacks each expert's gate rows, then its up rows, in one gate_up_proj (a shared
+    expert's in one input_linear)."""
     import torch
 
-    out = {k: v for k, v in state.items() if not k.endswith((".experts.gate", ".experts.up"))}
+    out = {k: v for k, v in state.items() if not k.endswith((".gate", ".up"))}
     for k in state:
         if k.endswith(".experts.gate"):
             stem = k[: -len("gate")]
             out[stem + "gate_up_proj"] = torch.cat([state[k], state[stem + "up"]], dim=1)
+        elif k.endswith(".shared_mlp.gate"):
+            stem = k[: -len("gate")]
+            out[stem + "input_linear.weight"] = torch.cat([state[k], state[stem + "up"]], dim=0)
     return out
+
+
+def _granitemoe_config(meta: dict) -> dict:
+    shared = meta.get("granitemoe.expert_shared_feed_forward_length", 0)
+    model_type = {"model_type": "granitemoeshared", "shared_intermediate_size": shared} if shared else \
+        {"model_type": "granitemoe"}
+    return _moe_config(meta, {**_granite_config(meta), **model_type}, "num_local_experts")
 
 
 # llama.cpp converts OLMoE without permuting q/k, Granite-MoE through its Llama class (permuted)
 register_builder("olmoe", Builder(config=lambda meta: _moe_config(meta, {**_common(meta, "olmoe", tied=False),
                                                                           "norm_topk_prob": False}, "num_experts"),
                                   name=_hf_moe_name("mlp"), join=_join_gate_up))
-register_builder("granitemoe", Builder(config=lambda meta: _moe_config(meta, {**_granite_config(meta),
-                                                                              "model_type": "granitemoe"},
-                                                                       "num_local_experts"),
-                                       name=_hf_moe_name("block_sparse_moe"), unpermute_qk=True, join=_join_gate_up))
+register_builder("granitemoe", Builder(config=_granitemoe_config, name=_hf_moe_name("block_sparse_moe"),
+                                       unpermute_qk=True, join=_join_gate_up))
 
 
 def prompt(n: int, seed: int = 5) -> list[int]:
@@ -251,11 +263,12 @@ def test_dense_families_refuse_experts(tmp_path, shape):
 
 
 def test_olmoe_and_granitemoe_files_are_checked(tmp_path):
-    """Both size their experts by feed_forward_length; kiln's Granite-MoE has no shared expert."""
+    """Both size their experts by feed_forward_length; Granite-MoE's shared expert has no gate tensor."""
     with pytest.raises(ModelFileError, match=r"'olmoe.expert_feed_forward_length' is 16, expected an integer in 32..32"):
         family_for(GGUFFile(write_random_gguf(tmp_path / "a.gguf", "tiny-olmoe", expert_ffn_dim=16)))
-    with pytest.raises(UnsupportedModelError, match=r"'granitemoe.expert_shared_feed_forward_length' is set"):
-        family_for(GGUFFile(write_random_gguf(tmp_path / "b.gguf", "tiny-granitemoe", shared_ffn_dim=32)))
+    cfg = family_for(GGUFFile(write_random_gguf(tmp_path / "b.gguf", "tiny-granitemoe-shared"))).config
+    assert cfg.experts[1].shared_ff_dim == 32 and cfg.experts[1].shared_scale is None
+    assert not family_for(GGUFFile(write_random_gguf(tmp_path / "c.gguf", "tiny-granitemoe"))).config.experts[0].shared_gate
 
 
 def test_active_parameters_and_bytes_per_decode_row(tmp_path):
