@@ -30,8 +30,12 @@ def decode(ctx, batch, tokens, start, last_logits):
         raise RuntimeError("llama_decode failed")
 
 
-def run(path: str, threads: int, n_prompt: int, n_gen: int, depth: int, reps: int) -> list[dict]:
-    model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
+def run(path: str, threads: int, n_prompt: int, n_gen: int, depth: int, reps: int, mmap: bool = True) -> list[dict]:
+    params = ll.llama_model_default_params()
+    # llama-bench's --mmap 0: the weights read into memory at load, so that no step waits on a page the
+    # kernel evicted (a mixture of experts touches a different part of the file at each token)
+    params.use_mmap = mmap
+    model = ll.llama_model_load_from_file(path.encode(), params)
     vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     cp = ll.llama_context_default_params()
     cp.n_ctx = depth + max(n_prompt, n_gen) + 16
@@ -79,10 +83,11 @@ def main() -> None:
     ap.add_argument("-d", default="0")
     ap.add_argument("-r", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mmap", type=int, default=1, help="0: read the weights into memory at load (llama-bench's)")
     a = ap.parse_args()
     ll.llama_backend_init()
     rows = [r for t in map(int, a.t.split(",")) for d in map(int, a.d.split(","))
-            for r in run(a.model, t, a.p, a.n, d, a.r)]
+            for r in run(a.model, t, a.p, a.n, d, a.r, bool(a.mmap))]
     if a.json:
         print(json.dumps({"engine": "llama.cpp", "version": ll.__version__, "results": rows}, indent=1))
     else:

@@ -66,7 +66,7 @@ static void add_bias(const float *bias, float *y, int n_rows, int r0, int n) {
 }
 
 /* out[i] = act(g[i]) * u[i]; the activation's exp is the only transcendental on the prefill path */
-static void glu_row(int kind, const float *g, const float *u, float *out, int n) {
+void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n) {
 #if defined(KILN_X86)
     if (kiln_active_isa() >= ISA_AVX2) {
         glu_row_avx2(kind, g, u, out, n);
@@ -160,7 +160,7 @@ static void glu_compute(void *ctx, int c, int thread) {
     matmul_rows(op->w2, op->act[op->w2_act], j->n_rows, u, r0, r1);
     add_bias(op->bias, g, j->n_rows, r0, n);
     add_bias(op->bias2, u, j->n_rows, r0, n);
-    for (int t = 0; t < j->n_rows; t++) glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
+    for (int t = 0; t < j->n_rows; t++) kiln_glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 
 int64_t kiln_glu_run(kiln_plan *p, job *j) { return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(j->op)); }

@@ -67,6 +67,8 @@ int64_t kiln_matmul_run(kiln_plan *p, job *j);
 size_t kiln_glu_scratch(const kiln_op *op, int rows, int out_rows);
 void kiln_glu_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_glu_run(kiln_plan *p, job *j);
+/* out[i] = act(g[i]) * u[i] (ACT_*), the same bits wherever a row is cut */
+void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n);
 
 size_t kiln_qkv_scratch(const kiln_op *op, int rows, int out_rows);
 void kiln_qkv_bounds(const kiln_op *op, kiln_bounds *b);
@@ -152,3 +154,9 @@ static inline void commit_rows(const job *j, float *out, int ld, int n_rows, int
     for (int t = 0; t < n_rows; t++)
         memcpy(out + (size_t)t * ld + r0, y + (size_t)t * (r1 - r0), sizeof(float) * (r1 - r0));
 }
+
+size_t kiln_moe_scratch(const kiln_op *op, int rows, int out_rows);
+void kiln_moe_bounds(const kiln_op *op, kiln_bounds *b);
+int64_t kiln_moe_run(kiln_plan *p, job *j);
+/* The int32s of an OP_MOE's routing buffer (moe_route) for a plan of `rows` rows (op_moe.c lays it out). */
+size_t kiln_moe_route_ints(const kiln_op *op, int rows);

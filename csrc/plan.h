@@ -22,6 +22,7 @@ enum {
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
     OP_LOGITS,     /* logits[i] = scale * (W·act[row_sel[i]] (+ bias)) */
     OP_SHORTCONV,  /* out = c * conv(b * x) over each row's slot, b, c, x the thirds of in (op_conv.c) */
+    OP_MOE,        /* out = residual + Σ top-k router weights · expert GLUs (+ a shared expert) */
     OP_COUNT
 };
 
@@ -36,6 +37,9 @@ enum {
 };
 
 enum { ACT_SILU, ACT_GELU_TANH };
+
+/* OP_MOE: how router logits become the chosen experts' weights */
+enum { MOE_SOFTMAX /* softmax over every expert, then the top n_used */ };
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
 #define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
@@ -113,6 +117,18 @@ typedef struct kiln_op {
     int conv_len, state_len;
     int kv_type; /* KV_* (attn_quant.h): the layout of k_cache and v_cache, fp16 or quantized */
     float softcap; /* ATTN: each score, LOGITS: each logit becomes softcap * tanh(x / softcap) (Gemma 2); 0: none */
+    /* OP_MOE (op_moe.c): the router is w (reading act[w_act]); each expert tensor is a table of n_experts
+     * matrices; a shared expert's are single matrices (NULL: none), its scale a 1-row matrix (NULL: 1) */
+    int n_experts, n_used, moe_gating, moe_normalize;
+    int ff, shared_ff;                               /* an expert's and the shared expert's widths */
+    const kiln_wmat *const *exp_gate, *const *exp_up, *const *exp_down;
+    int exp_act, sh_act, sh_scale_act;               /* act[] the experts, the shared expert, its scale read */
+    const kiln_wmat *sh_gate, *sh_up, *sh_down, *sh_scale;
+    int down_tiles;                                  /* down projections' tiles per chunk */
+    int32_t *moe_route;                              /* routing (op_moe.c), kiln_moe_route_ints */
+    float *moe_gates;                                /* [rows][n_experts] logits, [rows][n_used] weights, [rows] */
+    uint8_t *moe_x, *moe_h, *moe_hs;                 /* rows gathered by expert; GLU outputs (experts, shared) */
+    float *moe_y;                                    /* down projections: [rows*n_used + rows][rows] */
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

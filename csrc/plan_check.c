@@ -10,7 +10,7 @@
 #include "ops.h"
 
 static const char *const OP_NAMES[OP_COUNT] = {"EMBED", "NORM_QUANT", "QUANT", "QKV", "ATTN",
-                                               "MATMUL", "GLU", "NORM_ADD", "LOGITS", "SHORTCONV"};
+                                               "MATMUL", "GLU", "NORM_ADD", "LOGITS", "SHORTCONV", "MOE"};
 
 const char *kiln_op_name(int kind) { return kind >= 0 && kind < OP_COUNT ? OP_NAMES[kind] : "unknown"; }
 
@@ -103,6 +103,7 @@ static void op_bounds(const kiln_op *op, kiln_bounds *b) {
     case OP_NORM_ADD: kiln_norm_add_bounds(op, b); return;
     case OP_LOGITS: kiln_logits_bounds(op, b); return;
     case OP_SHORTCONV: kiln_shortconv_bounds(op, b); return;
+    case OP_MOE: kiln_moe_bounds(op, b); return;
     default: kiln_bounds_fail(b, "kind %d is no op", op->kind);
     }
 }

@@ -602,6 +602,11 @@ static const struct {
     FIELD(conv_w, 'p'), FIELD(state, 'p'), FIELD(conv_len, 'i'), FIELD(state_len, 'i'),
     FIELD(kv_type, 'i'),
     FIELD(softcap, 'f'),
+    FIELD(n_experts, 'i'), FIELD(n_used, 'i'), FIELD(moe_gating, 'i'), FIELD(moe_normalize, 'i'), FIELD(ff, 'i'),
+    FIELD(shared_ff, 'i'), FIELD(exp_gate, 'p'), FIELD(exp_up, 'p'), FIELD(exp_down, 'p'), FIELD(exp_act, 'i'),
+    FIELD(sh_act, 'i'), FIELD(sh_scale_act, 'i'), FIELD(sh_gate, 'p'), FIELD(sh_up, 'p'), FIELD(sh_down, 'p'),
+    FIELD(sh_scale, 'p'), FIELD(down_tiles, 'i'), FIELD(moe_route, 'p'), FIELD(moe_gates, 'p'), FIELD(moe_x, 'p'),
+    FIELD(moe_h, 'p'), FIELD(moe_hs, 'p'), FIELD(moe_y, 'p'),
 };
 
 static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {
@@ -711,6 +716,7 @@ int kiln_plan_add_types(PyObject *module) {
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
         {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
         {"OP_SHORTCONV", OP_SHORTCONV},
+        {"OP_MOE", OP_MOE}, {"MOE_SOFTMAX", MOE_SOFTMAX},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

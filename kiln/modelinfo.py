@@ -11,14 +11,16 @@ def describe(record) -> dict:
     from kiln.errors import UnsupportedModelError
     from kiln.gguf import REQUANTIZED_TYPES, GGUFFile, as_int
     from kiln.models import family_for
+    from kiln.models.base import active_parameters
     from kiln.engine.fim import file_tokens
     from kiln.store import quantization_name
     from kiln.store.fetch import sha256_file
 
     gguf = GGUFFile(record.path)
     try:
+        config = None
         try:
-            family_for(gguf)  # a file kiln runs is shown only once it passes the checks a load makes
+            config = family_for(gguf).config  # a file kiln runs is shown only once it passes the checks a load makes
         except UnsupportedModelError:
             pass  # an architecture kiln does not run: what is shown is read defensively below
         arch = gguf.architecture
@@ -41,6 +43,7 @@ def describe(record) -> dict:
             "family": arch,
             "name": gguf.get("general.name"),
             "parameters": n_params,
+            "active_parameters": active_parameters(gguf, config) if config is not None else n_params,
             "quantization": quantization_name(gguf),
             "tensor_types": dict(Counter(t.type.name for t in gguf.tensors.values()).most_common()),
             "requantized": sorted({t.type.name for t in gguf.tensors.values() if t.type in REQUANTIZED_TYPES}),

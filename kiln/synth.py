@@ -58,6 +58,13 @@ class Shape:
     metadata: tuple[tuple[str, object], ...] = ()  # (key after "<arch>.", value): the switches a variant sets
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low and high freq factors, old context
 
+    # mixture of experts (0: a dense MLP): experts, experts each row uses, an expert's and the shared
+    # expert's widths
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
+
 
 # YaRN as Qwen2.5's configs set it (factor 4 over 32k), at a tiny model's scale
 _YARN = (("rope.scaling.type", "yarn"), ("rope.scaling.factor", 4.0), ("rope.scaling.original_context_length", 64))
@@ -69,6 +76,13 @@ SHAPES = {
     "tiny-qwen3": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, tied=False),
     "tiny-gemma3": Shape("gemma3", 64, 7, 2, 1, 256, 128, 512, sliding_window=4),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, context_length=40960),
+    "tiny-qwen3moe": Shape("qwen3moe", 64, 2, 4, 2, 16, 192, 512, tied=False, n_experts=8, n_experts_used=2,
+                           expert_ffn_dim=96),
+    "tiny-qwen2moe": Shape("qwen2moe", 64, 2, 4, 2, 16, 192, 512, n_experts=8, n_experts_used=2,
+                           expert_ffn_dim=64, shared_ffn_dim=128),
+    # Qwen3-30B-A3B's shape (48 layers; benchmarks cut the layer count)
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, context_length=40960, tied=False,
+                           n_experts=128, n_experts_used=8, expert_ffn_dim=768),
     "tiny-granite": Shape("granite", 64, 2, 4, 2, 16, 128, 512),
     "tiny-olmo2": Shape("olmo2", 64, 2, 4, 2, 16, 128, 512, tied=False),
     "tiny-smollm3": Shape("smollm3", 64, 4, 4, 2, 16, 128, 512),  # layer 3 has no rope
@@ -94,6 +108,13 @@ SHAPES = {
                                  metadata=(("final_logit_softcapping", 10.0),)),
     # a Mistral llama file that names its window: every layer attends through it
     "tiny-mistral": Shape("llama", 64, 2, 4, 2, 16, 128, 512, tied=False, metadata=(("attention.sliding_window", 5),)),
+    # OLMoE and Granite-MoE size their experts by feed_forward_length
+    "tiny-olmoe": Shape("olmoe", 64, 2, 4, 2, 16, 32, 512, tied=False, n_experts=8, n_experts_used=2,
+                        expert_ffn_dim=32),
+    "tiny-granitemoe": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
+                             expert_ffn_dim=64),
+    "tiny-granitemoe-shared": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
+                                    expert_ffn_dim=64, shared_ffn_dim=32),
 }
 
 
@@ -163,11 +184,15 @@ FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_mi
 
 def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, embed_qtype: QT | None = None,
                       seed: int = 0, tokenizer_from: str | Path | None = None, fim: str | None = None,
+                      random_blocks: bool = False,
                       **overrides) -> Path:
     """Write a model of `shape` (a Shape or a name in SHAPES) with random weights quantized to `qtype`.
     `tokenizer_from`: copy that GGUF's tokenizer (and so its vocabulary size), e.g. to make a draft model
     for it. `fim` (byte-level vocabularies): give it fill-in-the-middle tokens, named by the
-    tokenizer.ggml.fim_*_token_id keys ("metadata") or only present by text ("vocabulary", as older files)."""
+    tokenizer.ggml.fim_*_token_id keys ("metadata") or only present by text ("vocabulary", as older files).
+    `random_blocks`: matrices of a type with scales kiln.synth knows the place of (Q4_0, Q8_0, Q4_K) are
+    written as random blocks instead of quantized random floats, which a benchmark's shapes take minutes
+    to compute."""
     if isinstance(shape, str):
         shape = SHAPES[shape]
     tokenizer = _tokenizer_fields(tokenizer_from) if tokenizer_from is not None else None
@@ -205,6 +230,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.long_rope))) if scale > 1 else 1.0)
     if family is not None:
         family.metadata(w, shape)
+    if shape.n_experts:
+        _add_expert_counts(w, shape)
     if tokenizer is not None:
         for key, (value, vtype, sub_type) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type)
@@ -244,6 +271,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         _add_metadata(w, f"{a}.{key}", value)
 
     def matrix(name, rows, cols, quant=qtype):
+        if random_blocks and quant in _BLOCK_SCALES:
+            w.add_tensor(name, _random_blocks(rng, rows, cols, quant), raw_dtype=quant)
+            return
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
         _add(w, name, data, quant)
 
@@ -251,7 +281,10 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         _add(w, name, 1.0 + _tensor(rng, (n,), 0.1), QT.F32)
 
     hd, q_dim, kv_dim = shape.head_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
+    if random_blocks and (embed_qtype or qtype) in _BLOCK_SCALES:
+        matrix("token_embd.weight", shape.vocab_size, shape.dim, embed_qtype or qtype)
+    else:
+        _add(w, "token_embd.weight", _tensor(rng, (shape.vocab_size, shape.dim), 1.0), embed_qtype or qtype)
     if a in FAMILY_TENSORS:
         FAMILY_TENSORS[a](w, shape, rng, qtype, embed_qtype)
         return _finish(w, path)
@@ -263,16 +296,22 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         norm(p + "attn_norm.weight", shape.dim)
         _qkv(w, shape, rng, p, qtype)
         matrix(p + "attn_output.weight", shape.dim, q_dim)
-        if a == "qwen2":
+        if a in ("qwen2", "qwen2moe"):
             for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 _add(w, p + f"attn_{n}.bias", _tensor(rng, (d,), 0.5), QT.F32)
-        if a in ("qwen3", "gemma3"):
+        if a in ("qwen3", "gemma3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", hd)
             norm(p + "attn_k_norm.weight", hd)
+        if a == "olmoe":  # q/k norms over the whole projections
+            norm(p + "attn_q_norm.weight", q_dim)
+            norm(p + "attn_k_norm.weight", kv_dim)
         norm(p + "ffn_norm.weight", shape.dim)
-        matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
-        matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
-        matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
+        if shape.n_experts:
+            _add_experts(w, rng, p, shape, qtype, random_blocks)
+        else:
+            matrix(p + "ffn_gate.weight", shape.ffn_dim, shape.dim)
+            matrix(p + "ffn_up.weight", shape.ffn_dim, shape.dim)
+            matrix(p + "ffn_down.weight", shape.dim, shape.ffn_dim)
         if a in ("gemma2", "gemma3"):
             norm(p + "post_attention_norm.weight", shape.dim)
             norm(p + "post_ffw_norm.weight", shape.dim)
@@ -424,10 +463,13 @@ def _tokenizer_fields(path: str | Path) -> dict:
 # Where the f16 scales of a block sit, and the largest multiple of them a value reaches: random bits with
 # those scales set give finite values near the float weights' size, for types gguf cannot quantize to.
 _RANDOM_BLOCKS = {QT.Q2_K: ((80, 82), 45), QT.Q3_K: ((108,), 128), QT.IQ4_NL: ((0,), 127), QT.IQ4_XS: ((0,), 3937)}
+# and types gguf can quantize to, but too slowly for a benchmark's shapes (`random_blocks`; Q4_K: its 6-bit
+# sub-block scales and minimums are random too, so the reach is their largest product with a quant)
+_BLOCK_SCALES = {**_RANDOM_BLOCKS, QT.Q4_0: ((0,), 8), QT.Q8_0: ((0,), 127), QT.Q4_K: ((0, 2), 63 * 15)}
 
 
 def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
-    (offsets, reach), (block, size) = _RANDOM_BLOCKS[qtype], gguf.GGML_QUANT_SIZES[qtype]
+    (offsets, reach), (block, size) = _BLOCK_SCALES[qtype], gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
     for at in offsets:
@@ -437,9 +479,10 @@ def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
 
 def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> None:
     if qtype in _RANDOM_BLOCKS:
-        rows, cols = data.shape
+        rows, cols = int(np.prod(data.shape[:-1])), data.shape[-1]
         rng = np.random.default_rng(data.view(np.uint32).ravel()[:8])  # the model's seed decides the bits
-        writer.add_tensor(name, _random_blocks(rng, rows, cols, qtype), raw_dtype=qtype)
+        blocks = _random_blocks(rng, rows, cols, qtype)
+        writer.add_tensor(name, blocks.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
     elif qtype == QT.F32:
         writer.add_tensor(name, data)
     elif qtype == QT.F16:
@@ -450,6 +493,33 @@ def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) -> Non
         writer.add_tensor(name, raw, raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _add_expert_counts(w: gguf.GGUFWriter, shape: Shape) -> None:
+    w.add_expert_count(shape.n_experts)
+    w.add_expert_used_count(shape.n_experts_used)
+    w.add_expert_feed_forward_length(shape.expert_ffn_dim)
+    if shape.shared_ffn_dim:
+        w.add_expert_shared_feed_forward_length(shape.shared_ffn_dim)
+
+
+def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, random_blocks: bool) -> None:
+    """One layer's router, experts (3-D, as llama.cpp's converter stacks them) and shared expert. Routers
+    stay float32, as llama.cpp's quantizer leaves them."""
+    n, dim, ff = shape.n_experts, shape.dim, shape.expert_ffn_dim
+    _add(w, p + "ffn_gate_inp.weight", _tensor(rng, (n, dim), 1.0 / np.sqrt(dim)), QT.F32)
+    for name, rows, cols in (("gate", ff, dim), ("up", ff, dim), ("down", dim, ff)):
+        if random_blocks and qtype in _BLOCK_SCALES:
+            w.add_tensor(p + f"ffn_{name}_exps.weight", _random_blocks(rng, n * rows, cols, qtype).reshape(n, rows, -1),
+                         raw_dtype=qtype)
+        else:
+            _add(w, p + f"ffn_{name}_exps.weight", _tensor(rng, (n, rows, cols), 1.0 / np.sqrt(cols)), qtype)
+    if shape.shared_ffn_dim:
+        sff = shape.shared_ffn_dim
+        for name, rows, cols in (("gate", sff, dim), ("up", sff, dim), ("down", dim, sff)):
+            _add(w, p + f"ffn_{name}_shexp.weight", _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)
+        if shape.arch == "qwen2moe":  # its shared expert's sigmoid gate (Granite-MoE-Shared's has none)
+            _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
 
 
 # ---- families whose files depart from the Llama layout above -------------------------------------------
@@ -598,3 +668,5 @@ FAMILY_WRITERS: dict[str, FamilyWriter] = {
     # fails on a byte-level vocabulary without </s>, <unk> and <s>; Phi-4-mini's files are named "Phi 4 ..."
     "phi3": FamilyWriter(lambda w, shape: None, _phi3_tokenizer, model_name="Phi-4-mini-like"),
 }
+FAMILY_WRITERS["olmoe"] = FamilyWriter(lambda w, shape: None, _olmo2_tokenizer)
+FAMILY_WRITERS["granitemoe"] = FamilyWriter(_granite_metadata, _granite_tokenizer)

@@ -68,6 +68,7 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
 
     names = kind_names()
     mats = {m.address: (name, packed_bytes(m.layout), m.layout) for name, m in engine.weights.mats.items()}
+    experts = {id(table): name for name, table in engine.weights.expert_tables.items()}
     threads = engine.pool.threads
     infos = []
     for i, op in enumerate(nplan.ops):
@@ -82,7 +83,16 @@ def describe(engine, nplan, position: int = 0) -> list[OpInfo]:
                 m = re.match(r"blk\.(\d+)\.", name)
                 if layer is None and m and op["op_class"] not in (_native.OPC_HEAD, _native.OPC_EMBED):
                     layer = int(m[1])
-        if kind in ("MATMUL", "GLU", "LOGITS"):
+        if kind == "MOE":
+            # a decode row reads the router, its n_used experts and the shared expert (w: the router)
+            for key in ("exp_gate", "exp_up", "exp_down"):
+                weight_bytes += op["n_used"] * packed_bytes(engine.weights.matrix(experts[id(op[key])]).layout)
+            for key in ("sh_gate", "sh_up", "sh_down", "sh_scale"):
+                if op.get(key) in mats:
+                    weight_bytes += mats[op[key]][1]
+            parts = -(-op["ff"] // (4 * op["chunk_tiles"]))
+            chunks = op["n_used"] * parts + (-(-op.get("shared_ff", 0) // (4 * op["chunk_tiles"])))
+        elif kind in ("MATMUL", "GLU", "LOGITS"):
             chunks = -(-tiles // op["chunk_tiles"])
         elif kind == "QKV":
             chunks = _native.qkv_chunks(op["n_heads"] + 2 * op["n_kv_heads"], op["chunk_heads"])
@@ -471,6 +481,17 @@ def _profile_of(engine, reqs, phase: str) -> Profile:
     return p
 
 
+def expert_load(rows: dict[int, np.ndarray] | None) -> dict | None:
+    """How the measured requests' rows (prefill and decode) spread over each MOE layer's experts: the rows
+    each expert got, and the busiest expert's share over an even spread's."""
+    if not rows:
+        return None
+    layers = {layer: counts.tolist() for layer, counts in sorted(rows.items())}
+    imbalance = {layer: float(c.max() / c.mean()) if c.sum() else 0.0 for layer, c in sorted(rows.items())}
+    return {"rows_per_expert": layers, "busiest_over_mean": imbalance,
+            "busiest_over_mean_max": max(imbalance.values())}
+
+
 def decode_report(engine, reqs: list[Request], profile: Profile, read_gb_s: float) -> dict:
     """Per traced decode token: the parts of its wall time, where the native time went, what it read."""
     idx = [(r, i) for r in reqs for i in r.traced_tokens()]
@@ -614,6 +635,8 @@ def run(ref: str, prompt: str = DEFAULT_PROMPT, n_decode: int = 64, reps: int = 
     passes = [read.pass_gb_s() for _ in range(3)]
     traced_request(model, messages, params, n_decode)  # first touch of this engine's buffers, not measured
     reqs = []
+    if engine.decode_plan.expert_counts:
+        engine.expert_rows = {}
     for i in range(reps):
         say(f"request {i + 1} of {reps}")
         reqs.append(traced_request(model, messages, params, n_decode, trace_first=i % 2 == 0))
@@ -635,6 +658,7 @@ def run(ref: str, prompt: str = DEFAULT_PROMPT, n_decode: int = 64, reps: int = 
               "ttft_warm": 100 * warm_ttft["sum_ms"] / warm_ttft["wall_ms"],
               "ttft_cold_start": 100 * cold_start["sum_ms"] / cold_start["wall_ms"]}
     ttfts = [_ms(r.ttft_ns) for r in reqs]
+    experts, engine.expert_rows = expert_load(engine.expert_rows), None
     report = {
         "object": "kiln_trace",
         "model": model.tag, "model_sha256": model.sha256, "architecture": model.config.architecture,
@@ -649,6 +673,7 @@ def run(ref: str, prompt: str = DEFAULT_PROMPT, n_decode: int = 64, reps: int = 
                     **phase_profile(prefill, len(reqs))},
         "decode": decode,
         "decode_profile": phase_profile(decode_prof, decode["tokens"]),
+        **({"experts": experts} if experts else {}),
         "read_bandwidth": bw,
         "overhead": {"pct": 100 * overhead, "ratios": len(ratios),
                      "ratio_p10_p90": [float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90))],

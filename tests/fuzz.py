@@ -37,6 +37,10 @@ SEEDS = {
     "smollm3": dict(shape="tiny-smollm3", qtype="F16", vocab_size=320),
     "gemma2": dict(shape="tiny-gemma2", qtype="Q8_0", vocab_size=320, head_dim=32),
     "qwen2-yarn": dict(shape="tiny-qwen2-yarn", qtype="F16", vocab_size=320),
+    "qwen3moe": dict(shape="tiny-qwen3moe", qtype="Q8_0", vocab_size=320),
+    "qwen2moe": dict(shape="tiny-qwen2moe", qtype="Q4_0", vocab_size=320),
+    "olmoe": dict(shape="tiny-olmoe", qtype="Q8_0", vocab_size=320),
+    "granitemoe": dict(shape="tiny-granitemoe", qtype="Q4_0", vocab_size=320),
 }
 
 

@@ -24,6 +24,9 @@ class Builder:
     name: Callable[[str], str | None]
     unpermute_qk: bool = False  # llama.cpp's converter permutes q/k rows for its "normal" rope
     tensors: tuple[str, ...] = ()  # tensors whose values the config needs (LongRoPE's factors), given to it by name
+    # the named tensors → transformers' parameters, where it stores several GGUF tensors as one (an
+    # expert table's gate and up)
+    join: Callable[[dict], dict] | None = None
 
 
 def register_builder(arch: str, builder: Builder) -> None:
@@ -43,8 +46,25 @@ def hf_model(path: Path):
         arch = _architecture(path)
         if arch in _BUILDERS:
             return hf_model_from_gguf(path, _BUILDERS[arch])
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     **_unread_config(path, arch))
     return model.eval()
+
+
+# Config fields transformers' GGUF reader leaves at its defaults, from the keys that hold them
+_UNREAD_BY_GGUF_READER = {
+    "qwen3moe": {"moe_intermediate_size": "expert_feed_forward_length"},
+    "qwen2moe": {"moe_intermediate_size": "expert_feed_forward_length",
+                 "shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
+}
+
+
+def _unread_config(path: Path, arch: str) -> dict:
+    import gguf
+
+    fields = _UNREAD_BY_GGUF_READER.get(arch, {})
+    meta = _metadata(gguf.GGUFReader(path)) if fields else {}
+    return {name: meta[f"{arch}.{key}"] for name, key in fields.items() if f"{arch}.{key}" in meta}
 
 
 def _architecture(path: Path) -> str:
@@ -101,6 +121,8 @@ def hf_model_from_gguf(path: Path, builder: Builder):
             heads = n_heads if ".attn_q." in t.name else n_kv
             data = data.reshape(heads, data.shape[0] // heads // 2, 2, *data.shape[1:]).swapaxes(1, 2).reshape(shape)
         state[name] = torch.from_numpy(np.ascontiguousarray(data))
+    if builder.join is not None:
+        state = builder.join(state)
     if getattr(config, "tie_word_embeddings", False):
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -41,11 +41,13 @@ def _common(meta: dict, model_type: str, tied: bool) -> dict:
 
 
 def _granite_config(meta: dict) -> dict:
-    head_dim = meta["granite.embedding_length"] // meta["granite.attention.head_count"]
-    return {**_common(meta, "granite", tied=True), "embedding_multiplier": meta.get("granite.embedding_scale", 1.0),
-            "residual_multiplier": meta.get("granite.residual_scale", 1.0),
-            "attention_multiplier": meta.get("granite.attention.scale", 1 / math.sqrt(head_dim)),
-            "logits_scaling": meta["granite.logit_scale"]}
+    """Granite's, and Granite-MoE's keys under its own architecture."""
+    a = meta["general.architecture"]
+    head_dim = meta[f"{a}.embedding_length"] // meta[f"{a}.attention.head_count"]
+    return {**_common(meta, "granite", tied=True), "embedding_multiplier": meta.get(f"{a}.embedding_scale", 1.0),
+            "residual_multiplier": meta.get(f"{a}.residual_scale", 1.0),
+            "attention_multiplier": meta.get(f"{a}.attention.scale", 1 / math.sqrt(head_dim)),
+            "logits_scaling": meta[f"{a}.logit_scale"]}
 
 
 _LLAMA_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",

@@ -120,8 +120,11 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
 
 def token_macs(engine, vocab: int) -> int:
     """Multiply-accumulates of one prompt token's matrix products: every packed matrix but the output head
-    (rows = the vocabulary), which a prompt runs for its last token only. Attention is not counted."""
-    return sum(lay["rows"] * lay["cols"] for lay in engine.weights.layouts.values() if lay["rows"] != vocab)
+    (rows = the vocabulary), which a prompt runs for its last token only, and of a 3-D expert tensor the
+    experts a token uses. Attention is not counted."""
+    used = {name: e.n_used for e in getattr(engine.config, "experts", ()) for name in (e.gate, e.up, e.down)}
+    return sum(lay["rows"] * lay["cols"] * used.get(name, 1) for name, lay in engine.weights.layouts.items()
+               if lay["rows"] != vocab)
 
 
 # The int8 unit each kernel variant's prefill runs on (kiln validate's peaks).
@@ -131,7 +134,8 @@ PEAK_UNIT = {"amx": "amx", "avx512": "avx512_vnni", "avx2": "avx2"}
 def step_bytes(engine, batch: int, positions) -> float:
     """Mean bytes a decode step of `batch` sequences reads: every packed matrix once (a split output head's
     first pass: its low bits are read only near the best logits), an embedding row and the KV cache up to
-    its position per sequence (kiln trace counts the same way)."""
+    its position per sequence (kiln trace counts the same way). Of a MOE op, one row's experts: a batch
+    reads the union of its rows' choices, so for a batch of several this is a lower bound."""
     from kiln.trace import dispatch_figures, kv_read_bytes
 
     d = dispatch_figures(engine)

@@ -248,7 +248,9 @@ def cmd_show(args) -> int:
         ("sha256", info["sha256"]),
         ("size", f"{human_bytes(info['size'])} ({info['size']} bytes)"),
         ("family", info["family"]),
-        ("parameters", f"{_millions_or_billions(info['parameters'])} ({info['parameters']:,})"),
+        ("parameters", f"{_millions_or_billions(info['parameters'])} ({info['parameters']:,})"
+                       + (f", {_millions_or_billions(info['active_parameters'])} active per token"
+                          if info["active_parameters"] != info["parameters"] else "")),
         ("quantization", f"{info['quantization']} (tensors: {types})"),
         *([("runs as", _runs_as(info["requantized"]))] if info["requantized"] else []),
         ("context", info["context_length"]),

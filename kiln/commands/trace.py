@@ -146,6 +146,12 @@ def render(r: dict, file=None) -> None:
               f"{ov['ratio_p10_p90'][1]:.3f}); median ms/token: plain {ov['plain_ms_per_token_median']:.3f}, traced "
               f"{ov['traced_ms_per_token_median']:.3f}; readout between tokens "
               f"{d['readout_ms_per_token'] * 1e3:.1f} us per traced token, outside both")
+    if r.get("experts"):
+        x = r["experts"]
+        worst = max(x["busiest_over_mean"], key=x["busiest_over_mean"].get)
+        con.print(f"[bold]experts[/]: the busiest expert of a layer got {x['busiest_over_mean_max']:.2f}× an even "
+                  f"share of the rows (layer {worst}); rows per expert, layer {worst}: "
+                  + " ".join(map(str, x["rows_per_expert"][worst])))
     for key, text in r["method"].items():
         con.print(f"[dim]how ({key}): {text}[/]")
     if r.get("chrome_trace"):

@@ -12,6 +12,8 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     layernorm → linear          NORM_QUANT with the mean subtracted and the norm's bias added
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
+    add(x, moe(h))              MOE (routing, the chosen experts' GLUs and down projections, a shared
+                                expert, the weighted sum and the residual: csrc/op_moe.c)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS (soft-capped last)
 
 Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead. Each op's
@@ -20,6 +22,7 @@ scratch is C's to size (csrc/ops.h: every op family says what it needs).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +71,9 @@ class Recorder:
 
     def shortconv(self, layer, bcx, weight, conv):
         return Node("shortconv", (bcx,), {"layer": layer, "weight": weight, "conv": conv})
+
+    def moe(self, x, experts):
+        return Node("moe", (x,), {"experts": experts})
 
 
 @dataclass(eq=False)
@@ -125,6 +131,11 @@ class Lowering:
         reads = {"linear": ["weight"], "glu": ["gate", "up"], "logits": ["weight"]}.get(node.kind, [])
         for key in reads:
             self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(node.params[key]))
+        if node.kind == "moe":
+            e = node.params["experts"]
+            for name in (e.router, e.gate, e.up, e.shared_gate, e.shared_up, e.shared_scale):
+                if name is not None:
+                    self.consumers.setdefault(node.inputs[0], set()).add(self._fmt(name))
         if node.kind == "logits" or (node.kind == "linear" and node.inputs[0].kind in ("glu", "activation")):
             self.precise.add(node.inputs[0])
         if node.kind == "attention":  # the input of the q, k and v projections
@@ -203,7 +214,7 @@ class Lowering:
 
     def _width(self, node: Node) -> int:
         c = self.cfg
-        if node.kind in ("embed", "add"):
+        if node.kind in ("embed", "add", "moe"):
             return c.dim
         if node.kind in ("rmsnorm", "layernorm", "activation"):
             return self._width(node.inputs[0])
@@ -242,6 +253,8 @@ class Lowering:
         scale = node.params["scale"]
         if branch.kind == "linear":
             self._matmul(branch, out, res, scale)
+        elif branch.kind == "moe":
+            self._moe(branch, out, res, scale)
         elif branch.kind == "rmsnorm" and branch.inputs[0].kind == "linear" and scale == 1.0:
             tmp = self._floats(self.cfg.dim)
             self._matmul(branch.inputs[0], tmp, None)
@@ -274,6 +287,43 @@ class Lowering:
                    out=out, res=res, chunk_tiles=chunk, precise=int(precise), scale=scale,
                    bias=self._bias(linear.params["bias"]),
                    **({} if activate is None else {"activate": 1, "glu_act": activate}))
+
+    def _moe(self, node: Node, out: Buf, res: Buf | None, scale: float = 1.0) -> None:
+        e, x, w = node.params["experts"], node.inputs[0], self.weights
+        if e.gating != "softmax" or e.act != "silu":
+            raise CompileError(f"no native op routes by {e.gating!r} into {e.act!r} experts")
+        width, dim = self._width(x), self.cfg.dim
+        acts, router_act = self._act_index(x, e.router)
+        _, expert_act = self._act_index(x, e.gate)
+        gate, down = w.matrix(e.gate), w.matrix(e.down)
+        shared = {}
+        if e.shared_gate is not None:
+            shared.update(sh_gate=w.matrix(e.shared_gate).address, sh_up=w.matrix(e.shared_up).address,
+                          sh_down=w.matrix(e.shared_down).address, shared_ff=e.shared_ff_dim,
+                          sh_act=self._act_index(x, e.shared_gate)[1],
+                          moe_hs=Buf(2 * self.rows * self.n.act_size(self._fmt(e.shared_down), e.shared_ff_dim, 1)))
+        if e.shared_scale is not None:
+            shared.update(sh_scale=w.matrix(e.shared_scale).address, sh_scale_act=self._act_index(x, e.shared_scale)[1])
+        # gate and up chunks are whole activation groups (256 rows): each quantizes its own columns of
+        # the GLU output for the down projection (csrc/op_moe.c)
+        widest = max(e.ff_dim, e.shared_ff_dim)
+        chunk_tiles = -(-widest // 4) if widest <= 256 else 64
+        down_tiles = self._chunk_tiles(down)
+        rows, pairs = self.rows, self.rows * e.n_used
+        parts = max(-(-e.ff_dim // (4 * chunk_tiles)), -(-e.shared_ff_dim // (4 * chunk_tiles)),
+                    -(-dim // (4 * down_tiles)))
+        route_ints = 3 * pairs + 2 * e.n_experts + 4 * (e.n_experts + 1) * parts  # kiln_moe_route_ints
+        layer = re.match(r"blk\.(\d+)\.", e.router)
+        self._emit(kind=self.n.OP_MOE, op_class=self.n.OPC_MATMUL, layer=int(layer[1]) if layer else 0,
+                   **self._act_fields(acts, width), rows=dim,
+                   w=w.matrix(e.router).address, w_act=router_act, n_experts=e.n_experts, n_used=e.n_used,
+                   moe_gating=self.n.MOE_SOFTMAX, moe_normalize=int(e.normalize), ff=e.ff_dim,
+                   exp_gate=w.expert_table(e.gate), exp_up=w.expert_table(e.up), exp_down=w.expert_table(e.down),
+                   exp_act=expert_act, chunk_tiles=chunk_tiles, down_tiles=down_tiles, precise=1,
+                   moe_route=Buf(4 * route_ints), moe_gates=Buf(4 * (rows * e.n_experts + pairs + rows)),
+                   moe_x=Buf(pairs * self.n.act_size(gate.layout["fmt"], width, 1)),
+                   moe_h=Buf(2 * pairs * self.n.act_size(down.layout["fmt"], e.ff_dim, 1)),
+                   moe_y=Buf(4 * (pairs + rows) * dim), out=out, res=res, scale=scale, **shared)
 
     def _value_glu(self, node: Node) -> Buf:
         gate, up = (self.weights.matrix(node.params[k]) for k in ("gate", "up"))

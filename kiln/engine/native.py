@@ -120,28 +120,37 @@ class PackedWeights:
                 cache.save(self.arena, layouts)
         self.layouts = layouts
         self.mats = {name: self._wmat(lay) for name, lay in layouts.items()}
+        # a 3-D tensor's experts, each a matrix of its own (the first is also `mats[name]`), and the table
+        # of their addresses an OP_MOE reads
+        self.experts = {name: [self._wmat(lay, e) for e in range(lay["experts"])]
+                        for name, lay in layouts.items() if "experts" in lay}
+        self.expert_tables = {name: np.array([m.address for m in ms], np.uint64) for name, ms in self.experts.items()}
         # a split head's low bits (its high bits are the matrix above)
         self.remainders = {name: self._wmat(lay["remainder"]) for name, lay in layouts.items() if "remainder" in lay}
 
-    def _wmat(self, lay: dict):
-        return _native.wmat(self.arena, lay["offset"], lay["fmt"], lay["rows"], lay["cols"], lay["rows_padded"],
-                            lay["tile_bytes"])
+    def _wmat(self, lay: dict, expert: int = 0):
+        return _native.wmat(self.arena, lay["offset"] + expert * lay.get("expert_stride", 0), lay["fmt"], lay["rows"],
+                            lay["cols"], lay["rows_padded"], lay["tile_bytes"])
 
-    def _source(self, name: str, ggml: int, rows: int, cols: int) -> np.ndarray:
-        """GGUF bytes of a matrix as packed: its own, its blocks rewritten exactly, or the gguf package's
-        values requantized."""
+    def _source(self, name: str, ggml: int, rows: int, cols: int, expert: int | None = None) -> np.ndarray:
+        """GGUF bytes of a matrix (or of one expert of a 3-D tensor) as packed: its own, its blocks
+        rewritten exactly, or the gguf package's values requantized."""
         own = self.gguf.info(name).type
+        pick = (lambda a: a) if expert is None else (lambda a: a[expert])
         if ggml == int(own):
-            return self.gguf.raw(name)
+            return np.ascontiguousarray(pick(self.gguf.raw(name)))
         if own in EXACT_REWRITES:
-            return rewrite_exactly(self.gguf.raw(name), own, rows)
-        return gguf_quants.quantize(self.gguf.dequantize(name).reshape(rows, cols), QT.Q8_0)
+            return rewrite_exactly(np.ascontiguousarray(pick(self.gguf.raw(name))), own, rows)
+        values = self.gguf.dequantize(name).reshape(-1, rows, cols)
+        return gguf_quants.quantize(values[0 if expert is None else expert], QT.Q8_0)
 
     def _pack(self, names, split):
-        shapes, halves = {}, {}
+        shapes, halves, experts = {}, {}, {}
         for name in names:
             t = self.gguf.info(name)
-            rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
+            n_experts, rows, cols = matrix_shape(t.shape)
+            if n_experts:
+                experts[name] = n_experts
             ggml = packed_type(int(t.type), rows, cols)
             shapes[name] = (ggml, rows, cols)
             if name in split and ggml == int(QT.Q8_0):
@@ -153,13 +162,20 @@ class PackedWeights:
         for name, ps in parts.items():
             for i, (ggml, _) in enumerate(ps):
                 offsets[name, i] = total
-                total += arena_bytes(ggml, *shapes[name][1:])
+                total += arena_bytes(ggml, *shapes[name][1:]) * experts.get(name, 1)
         self.arena = _native.Arena(max(total, 1))
         layouts = {}
         for name, ps in parts.items():
             _, rows, cols = shapes[name]
             packed = []
             for i, (ggml, raw) in enumerate(ps):
+                if name in experts:  # each expert packed on its own pages, one stride apart
+                    stride = arena_bytes(ggml, rows, cols)
+                    for e in range(experts[name]):
+                        m = _native.pack_into(self.arena, offsets[name, i] + e * stride, ggml,
+                                              self._source(name, ggml, rows, cols, e), rows, cols)
+                    packed.append(dict(m.layout, offset=offsets[name, i], experts=experts[name], expert_stride=stride))
+                    continue
                 raw = self._source(name, ggml, rows, cols) if raw is None else raw
                 m = _native.pack_into(self.arena, offsets[name, i], ggml, raw, rows, cols)
                 packed.append(dict(m.layout, offset=offsets[name, i]))
@@ -170,7 +186,12 @@ class PackedWeights:
         return layouts
 
     def matrix(self, name: str):
+        """The packed matrix; of a 3-D tensor, its first expert (all of them share its layout)."""
         return self.mats[name]
+
+    def expert_table(self, name: str) -> np.ndarray:
+        """The addresses of a 3-D tensor's experts, as OP_MOE reads them."""
+        return self.expert_tables[name]
 
     def remainder(self, name: str):
         """A split head's low bits (csrc/op_logits.c), or None for a matrix packed whole."""
@@ -205,6 +226,16 @@ class PackedWeights:
     @property
     def nbytes(self) -> int:
         return self.arena.nbytes
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(experts, rows, cols) a tensor is packed as: a 3-D tensor is its experts' matrices (experts > 0), a
+    vector one row (a shared expert's scale), else a matrix of its first dimension's rows."""
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    if len(shape) == 1:
+        return 0, 1, shape[0]
+    return 0, shape[0], int(np.prod(shape[1:]))
 
 
 def packed_type(ggml: int, rows: int, cols: int) -> int:
@@ -268,6 +299,11 @@ def matrices_of(root) -> list[str]:
             if node.kind in ("linear", "glu", "logits") and key in node.params:
                 if node.params[key] not in names:
                     names.append(node.params[key])
+        if node.kind == "moe":
+            e = node.params["experts"]
+            for name in (e.router, e.gate, e.up, e.down, e.shared_gate, e.shared_up, e.shared_down, e.shared_scale):
+                if name is not None and name not in names:
+                    names.append(name)
         stack.extend(reversed(node.inputs))
     return names
 
@@ -316,6 +352,13 @@ class NativePlan:
         self.hidden = whole[low.hidden.offset : low.hidden.offset + low.hidden.nbytes].view(np.float32).reshape(-1, dim)
         self.residuals = [whole[b.offset : b.offset + b.nbytes].view(np.float32).reshape(rows, dim)
                           for b in low.residuals]
+        # each MOE op's rows per expert in the last step (csrc/op_moe.c: `count`, after three runs of
+        # rows x n_used routing ints), for kiln trace's expert load
+        self.expert_counts = []
+        for op in low.ops:
+            if op["kind"] == _native.OP_MOE:
+                at = op["moe_route"].offset + 4 * 3 * rows * op["n_used"]
+                self.expert_counts.append((op["layer"], whole[at : at + 4 * op["n_experts"]].view(np.int32)))
         self.encoded = encode_ops(_native, low.ops, base)
         self.buffers = plan_buffers(e, self.arena)
         self.guard_gaps = np.array([(base + o, n) for o, n in gaps] if e.guard else [], np.uint64).tobytes()
@@ -331,6 +374,9 @@ def plan_buffers(engine: "NativeEngine", activations) -> dict:
     if engine.state_arena is not None:
         buffers["recurrent state"] = engine.state_arena
     buffers.update(w.mats)
+    for name, experts in w.experts.items():
+        buffers.update({f"{name} expert {e}": m for e, m in enumerate(experts)})
+        buffers[f"{name} experts"] = w.expert_tables[name]
     buffers.update({f"{name} (low bits)": m for name, m in w.remainders.items()})
     buffers.update(w.vectors)
     for i, (cos, sin) in enumerate(engine.ropes.values()):
@@ -380,6 +426,7 @@ class NativeEngine:
         self._root = root
         self._compile()
         self.stats = StepStats()
+        self.expert_rows: dict[int, np.ndarray] | None = None  # set to count rows per expert (kiln trace)
         self.load_ms = (time.perf_counter() - t0) * 1e3
 
     def _compile(self) -> None:
@@ -489,6 +536,9 @@ class NativeEngine:
             self.state_positions.advance(slots, positions, self._restore)
         native_ns, wait_ns = plan.plan.run(n, n_out)
         self.stats.add(n, native_ns, wait_ns)
+        if self.expert_rows is not None:
+            for layer, counts in plan.expert_counts:
+                self.expert_rows.setdefault(layer, np.zeros(len(counts), np.int64))[:] += counts
         self._last_plan = plan
         return plan.logits[:n_out].copy()
 

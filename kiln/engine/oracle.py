@@ -71,6 +71,18 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     return out.reshape(t, attn.n_heads * attn.head_dim)
 
 
+def route(logits: np.ndarray, e) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's chosen experts (best first; ties to the lower index, as csrc/op_moe.c breaks them) and
+    their weights: a softmax over every expert, kept for the top `n_used`, renormalized if the block says."""
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    chosen = np.argsort(-p, axis=1, kind="stable")[:, : e.n_used]
+    weights = np.take_along_axis(p, chosen, axis=1)
+    if e.normalize:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return chosen, weights.astype(np.float32)
+
+
 class NumpyOps:
     """`Ops` executed eagerly for one sequence's span of tokens."""
 
@@ -127,6 +139,21 @@ class NumpyOps:
     def shortconv(self, layer, bcx, weight, conv):
         b, c, x = np.split(bcx, 3, axis=1)
         return c * self.e.conv.convolve(layer, self.slot, int(self.positions[0]), b * x, self.e.weight(weight))
+
+    def moe(self, x, e):
+        chosen, weights = route(self.linear(x, e.router), e)
+        act, out = ACTIVATIONS[e.act], np.zeros((x.shape[0], self.e.weight(e.down).shape[1]), np.float32)
+        for expert in np.unique(chosen):
+            rows, slots = np.nonzero(chosen == expert)
+            h = x[rows]
+            g, u = h @ self.e.weight(e.gate)[expert].T, h @ self.e.weight(e.up)[expert].T
+            out[rows] += weights[rows, slots][:, None] * ((act(g) * u) @ self.e.weight(e.down)[expert].T)
+        if e.shared_gate is not None:
+            shared = self.linear(self.glu(x, e.shared_gate, e.shared_up, e.act), e.shared_down)
+            if e.shared_scale is not None:
+                shared = shared / (1.0 + np.exp(-(x @ self.e.weight(e.shared_scale))))[:, None]
+            out += shared
+        return out
 
 
 class OracleEngine:

@@ -124,6 +124,35 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class Experts:
+    """One layer's mixture-of-experts feed-forward block. A router scores every expert for each row; the
+    row's `n_used` best experts each run a GLU, and their outputs are summed with the router's weights.
+    The expert tensors are 3-D as GGUF stores them: gate and up [n_experts, ff_dim, dim], down
+    [n_experts, dim, ff_dim]. A shared expert (Qwen2-MoE) is a GLU every row runs, its output scaled by
+    sigmoid(x · shared_scale) when the file has that gate.
+
+    `gating` says how router logits become weights: "softmax" over all experts, then the top `n_used`
+    (renormalized to sum to 1 when `normalize`). Other gatings (a softmax over the selected logits
+    alone, expert biases, a clamped activation) are further values of these fields."""
+
+    router: str  # [n_experts, dim]
+    gate: str
+    up: str
+    down: str
+    n_experts: int
+    n_used: int
+    ff_dim: int
+    normalize: bool
+    gating: str = "softmax"
+    act: str = "silu"
+    shared_gate: str | None = None
+    shared_up: str | None = None
+    shared_down: str | None = None
+    shared_ff_dim: int = 0
+    shared_scale: str | None = None  # a [dim] vector
+
+
 class Ops(Protocol):
     """The operations model graphs are written in. `x` values are opaque to the family: arrays in the
     oracle, buffer handles in the native plan. Weights are named by their GGUF tensor names. Rows of
@@ -143,6 +172,7 @@ class Ops(Protocol):
     def activation(self, x: Any, act: str) -> Any: ...
     # b, c, x = thirds of `bcx`; c * conv(b * x) with the depthwise causal kernel `weight` (channels x taps)
     def shortconv(self, layer: int, bcx: Any, weight: str, conv: ShortConv) -> Any: ...
+    def moe(self, x: Any, experts: Experts) -> Any: ...
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -267,9 +297,12 @@ def softcap(m: Meta, key: str, default: float) -> float:
     return value
 
 
-def base_config(m: Meta, **overrides) -> dict:
-    """The fields every family reads the same way from llama.cpp's metadata keys (and its defaults)."""
+def base_config(m: Meta, moe: bool = False, **overrides) -> dict:
+    """The fields every family reads the same way from llama.cpp's metadata keys (and its defaults). A dense
+    family's file is refused if it names experts; `moe=True`: the caller's family reads those keys itself."""
     gguf = m.gguf
+    if not moe:
+        refuse_experts(m)
     n_layers = m.integer("block_count", hi=MAX_LAYERS)
     dim = m.integer("embedding_length")
     n_heads = m.integer("attention.head_count", hi=dim)
@@ -284,8 +317,6 @@ def base_config(m: Meta, **overrides) -> dict:
     tokens = gguf.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != vocab:
         raise ModelFileError(f"{gguf.path}: vocabulary has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
-    for key in ("expert_count", "expert_used_count"):
-        m.integer(key, 0, lo=0, hi=0)  # mixture-of-experts files say 0 when they are dense
     cfg = dict(
         architecture=m.arch,
         n_layers=n_layers,
@@ -302,6 +333,12 @@ def base_config(m: Meta, **overrides) -> dict:
     )
     cfg.update(overrides)
     return cfg
+
+
+def refuse_experts(m: Meta) -> None:
+    """A dense family's file may name no experts (mixture-of-experts files say 0 when they are dense)."""
+    for key in ("expert_count", "expert_used_count"):
+        m.integer(key, 0, lo=0, hi=0)
 
 
 def check_rope(m: Meta, rope: Rope, head_dim: int) -> None:
@@ -322,3 +359,13 @@ def attention_layers(cfg: ModelConfig) -> list[int]:
 
 def conv_layers(cfg: ModelConfig) -> list[int]:
     return [i for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)]
+
+
+def active_parameters(gguf: GGUFFile, cfg: ModelConfig) -> int:
+    """Parameters one token computes with: all of them, less the experts a mixture-of-experts layer's router
+    does not choose for it ((n_experts - n_used) of each 3-D expert tensor)."""
+    total = sum(t.n_elements for t in gguf.tensors.values())
+    for e in getattr(cfg, "experts", ()):
+        unused = (e.n_experts - e.n_used) / e.n_experts
+        total -= round(unused * sum(gguf.info(name).n_elements for name in (e.gate, e.up, e.down)))
+    return total

@@ -14,7 +14,7 @@ import numpy as np
 
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile, StringArray, describe, is_int, parse_row_view
-from kiln.models.base import Attention, ModelConfig, Rope, ShortConv
+from kiln.models.base import Attention, Experts, ModelConfig, Rope, ShortConv
 
 # what the tokenizer's keys hold (llama.cpp's types); per-token arrays have one entry per token
 _TOKENIZER_KINDS = {"tokenizer.ggml.model": "a string", "tokenizer.ggml.pre": "a string",
@@ -171,6 +171,21 @@ class ShapeCheck:
         self._need(bcx, 3 * conv.width, f"layer {layer}'s convolution input")
         self._expect(weight, conv.width, conv.length)
         return Width(conv.width)
+
+    def moe(self, x, e: Experts):
+        dim, n = self.cfg.dim, e.n_experts
+        self._need(x, dim, f"the input of {e.router}")
+        self._matrix(e.router, dim, n)
+        self._expect(e.gate, n, e.ff_dim, dim)
+        self._expect(e.up, n, e.ff_dim, dim)
+        self._expect(e.down, n, dim, e.ff_dim)
+        if e.shared_gate is not None:
+            for name in (e.shared_gate, e.shared_up):
+                self._matrix(name, dim, e.shared_ff_dim)
+            self._matrix(e.shared_down, e.shared_ff_dim, dim)
+        if e.shared_scale is not None:
+            self._expect(e.shared_scale, dim)
+        return Width(dim)
 
 
 def check_tensors(gguf: GGUFFile, cfg: ModelConfig, forward) -> None:

@@ -32,12 +32,14 @@ def multiplier(m: Meta, key: str) -> float:
     return m.number(key, 0.0, hi=1e6) or 1.0
 
 
-def config_from_gguf(m: Meta) -> GraniteConfig:
-    cfg = GraniteConfig(**base_config(m), embedding_scale=multiplier(m, "embedding_scale"),
+def config_from_gguf(m: Meta, moe: bool = False) -> GraniteConfig:
+    """`moe=True`: Granite-MoE's (granitemoe.py), which reads the expert keys itself."""
+    cfg = GraniteConfig(**base_config(m, moe=moe), embedding_scale=multiplier(m, "embedding_scale"),
                         residual_scale=multiplier(m, "residual_scale"),
                         logit_scale=m.number("logit_scale", lo=1e-6, hi=1e6))
     m.absent("attention.sliding_window", "kiln's granite family attends over the whole context")
-    m.absent("expert_shared_feed_forward_length", "kiln's granite family is the dense one (no shared expert)")
+    if not moe:
+        m.absent("expert_shared_feed_forward_length", "kiln's granite family is the dense one (no shared expert)")
     scale = m.number("attention.scale", 0.0, hi=1e6) or 1.0 / math.sqrt(cfg.head_dim)
     position_scale = rope_scale(m)
     finetuned = m.raw("rope.scaling.finetuned", True)  # llama.cpp's switch for Granite's rope
@@ -57,16 +59,21 @@ def config_from_gguf(m: Meta) -> GraniteConfig:
 def block(op: Ops, cfg: ModelConfig, i: int, x, residual_scale: float = 1.0):
     """The Llama block with each residual branch scaled, rotary embeddings only where the layer has them
     (SmolLM3's block too, unscaled)."""
-    p, attn, eps = f"blk.{i}.", cfg.layers[i], cfg.norm_eps
-    h = op.rmsnorm(x, p + "attn_norm.weight", eps)
-    q, k, v = (op.linear(h, p + f"attn_{n}.weight") for n in "qkv")
-    if attn.rope is not None:
-        q, k = op.rope(q, attn.rope, attn.n_heads), op.rope(k, attn.rope, attn.n_kv_heads)
-    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"), scale=residual_scale)
-
+    p, eps = f"blk.{i}.", cfg.norm_eps
+    x = attention_block(op, cfg, i, x, residual_scale)
     h = op.rmsnorm(x, p + "ffn_norm.weight", eps)
     h = op.linear(op.glu(h, p + "ffn_gate.weight", p + "ffn_up.weight", "silu"), p + "ffn_down.weight")
     return op.add(x, h, scale=residual_scale)
+
+
+def attention_block(op: Ops, cfg: ModelConfig, i: int, x, residual_scale: float = 1.0):
+    """The residual stream after layer i's attention (Granite-MoE's too)."""
+    p, attn = f"blk.{i}.", cfg.layers[i]
+    h = op.rmsnorm(x, p + "attn_norm.weight", cfg.norm_eps)
+    q, k, v = (op.linear(h, p + f"attn_{n}.weight") for n in "qkv")
+    if attn.rope is not None:
+        q, k = op.rope(q, attn.rope, attn.n_heads), op.rope(k, attn.rope, attn.n_kv_heads)
+    return op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight"), scale=residual_scale)
 
 
 def forward(op: Ops, cfg: GraniteConfig):

@@ -34,13 +34,14 @@ class LlamaConfig(ModelConfig):
 OPTIONAL_BIASES = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
+def config_from_gguf(m: Meta, neox: bool = False, moe: bool = False, **switches) -> LlamaConfig:
+    """`moe=True`: the caller's family reads the expert keys itself (qwenmoe.py)."""
     tensors = m.gguf.tensors
     fused = "blk.0.attn_qkv.weight" in tensors
     biases = {n for n in OPTIONAL_BIASES if f"blk.0.{n}.bias" in tensors}
     if switches.get("qkv_bias"):
         biases |= {"attn_qkv"} if fused else {"attn_q", "attn_k", "attn_v"}
-    cfg = LlamaConfig(**base_config(m), **switches, biases=frozenset(biases), fused_qkv=fused)
+    cfg = LlamaConfig(**base_config(m, moe=moe), **switches, biases=frozenset(biases), fused_qkv=fused)
     # Mistral's llama files say their window here (0: none); llama.cpp ignores it, transformers' Mistral
     # applies it on every layer, as kiln does
     window = None
@@ -61,7 +62,8 @@ def config_from_gguf(m: Meta, neox: bool = False, **switches) -> LlamaConfig:
     return cfg
 
 
-def block(op: Ops, cfg: LlamaConfig, i: int, x):
+def attention_block(op: Ops, cfg: LlamaConfig, i: int, x):
+    """The residual stream after layer i's attention."""
     p, attn = f"blk.{i}.", cfg.layers[i]
     h = op.rmsnorm(x, p + "attn_norm.weight", cfg.norm_eps)
     q, k, v = projections(op, cfg, p, h, attn)
@@ -70,8 +72,12 @@ def block(op: Ops, cfg: LlamaConfig, i: int, x):
         k = op.rmsnorm(k, p + "attn_k_norm.weight", cfg.norm_eps, heads=attn.n_kv_heads)
     q = op.rope(q, attn.rope, attn.n_heads)
     k = op.rope(k, attn.rope, attn.n_kv_heads)
-    x = op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight", bias(cfg, p, "attn_output")))
+    return op.add(x, op.linear(op.attention(i, q, k, v, attn), p + "attn_output.weight", bias(cfg, p, "attn_output")))
 
+
+def block(op: Ops, cfg: LlamaConfig, i: int, x):
+    p = f"blk.{i}."
+    x = attention_block(op, cfg, i, x)
     h = op.rmsnorm(x, p + "ffn_norm.weight", cfg.norm_eps)
     h = op.glu(h, p + "ffn_gate.weight", p + "ffn_up.weight", "silu", bias(cfg, p, "ffn_gate"), bias(cfg, p, "ffn_up"))
     return op.add(x, op.linear(h, p + "ffn_down.weight", bias(cfg, p, "ffn_down")))
