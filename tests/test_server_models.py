@@ -21,6 +21,7 @@ from tests.serving import kiln_server
 A, B, C = "alpha:tiny", "beta:tiny", "gamma:tiny"
 CTX, SLOTS = "256", "2"
 LONG = 8192  # the models' own context: room for a generation that outlasts another model's requests
+STORY = LONG - 16  # tokens of a generation that outlasts a load's wait
 FORCED = {"300": 100}  # a token that is never a stop token, pushed to the top: generation runs to its limit
 
 
@@ -167,13 +168,14 @@ def test_a_loaded_model_answers_while_another_is_busy(home):
 
 
 def test_a_load_waits_for_a_busy_model_to_go_idle_before_evicting_it(home):
-    with kiln_server(home, "--ctx-len", "4096", "--parallel", SLOTS, "--max-loaded", "1") as server:
+    # A's story fills the models' whole context, so it is still generating when B asks, on any machine
+    with kiln_server(home, "--ctx-len", str(LONG), "--parallel", SLOTS, "--max-loaded", "1") as server:
         oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         oll = ollama.Client(host=server.url)
         oll.generate(model=A, keep_alive="10m")
         answers = {}
         story = threading.Thread(target=lambda: answers.setdefault(A, oai.completions.create(
-            model=A, prompt="a long story", max_tokens=2500, logit_bias=FORCED)))
+            model=A, prompt="a long story", max_tokens=STORY, logit_bias=FORCED)))
         other = threading.Thread(target=lambda: answers.setdefault(B, oll.generate(
             model=B, prompt="x", options={"num_predict": 2})))
         story.start()
@@ -187,7 +189,7 @@ def test_a_load_waits_for_a_busy_model_to_go_idle_before_evicting_it(home):
             story.join()
             other.join()
         a, b = answers[A], answers[B]
-        assert a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 2500  # never cut off
+        assert a.choices[0].finish_reason == "length" and a.usage.completion_tokens == STORY  # never cut off
         assert b.done and b.load_duration > 0
         assert loaded(server) == [B] and (loads(server, A), loads(server, B)) == (1, 1)
 
