@@ -158,3 +158,22 @@ def hf_greedy(path: Path, ids: list[int], n: int) -> list[int]:
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     """Largest absolute difference relative to the reference's largest magnitude."""
     return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def oracle(path: Path, n_ctx: int = 256, **options):
+    """kiln's numpy oracle on a file: the other side of every comparison with transformers."""
+    from kiln.engine.oracle import OracleEngine
+    from kiln.gguf import GGUFFile
+    from kiln.models import family_for
+
+    gguf = GGUFFile(path)
+    return OracleEngine(gguf, family_for(gguf), n_ctx=n_ctx, **options)
+
+
+def oracle_greedy(engine, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from an oracle engine, never stopping early (as hf_greedy)."""
+    logits, out = engine.forward(ids), []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = engine.forward([out[-1]], 0, len(ids) + i)
+    return out

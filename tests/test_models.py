@@ -9,7 +9,7 @@ from kiln.engine.oracle import OracleEngine
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.synth import write_random_gguf
-from tests.reference import hf_greedy, hf_logits, rel_err
+from tests.reference import hf_greedy, hf_logits, oracle, oracle_greedy, rel_err
 
 PROMPTS = [
     "The capital of France is",
@@ -18,17 +18,6 @@ PROMPTS = [
 ]
 
 
-def oracle(path, n_ctx=256):
-    gguf = GGUFFile(path)
-    return OracleEngine(gguf, family_for(gguf), n_ctx=n_ctx)
-
-
-def oracle_greedy(engine, ids, n):
-    logits, out = engine.forward(ids), []
-    for i in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.forward([out[-1]], 0, len(ids) + i)
-    return out
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.synth import SHAPES, write_random_gguf
 from tests import reference
-from tests.reference import Builder, hf_greedy, hf_logits, register_builder, rel_err
+from tests.reference import Builder, hf_greedy, hf_logits, oracle, oracle_greedy, register_builder, rel_err
 from tests.test_native import kld
 
 LLAMA_BIASES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -97,17 +97,6 @@ register_builder("phi2", Builder(config=_phi2_config, name=_layer_names({
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"})))
 
 
-def oracle(path, n_ctx=256, **options):
-    gguf = GGUFFile(path)
-    return OracleEngine(gguf, family_for(gguf), n_ctx=n_ctx, **options)
-
-
-def oracle_greedy(engine, ids, n):
-    logits, out = engine.forward(ids), []
-    for i in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.forward([out[-1]], 0, len(ids) + i)
-    return out
 
 
 def prompt(n, seed=3):

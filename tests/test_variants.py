@@ -21,7 +21,7 @@ from kiln.gguf import GGUFFile
 from kiln.models import check_model_file, family_for
 from kiln.synth import SHAPES, write_random_gguf
 from tests import fuzz
-from tests.reference import hf_model, rel_err
+from tests.reference import hf_model, oracle, oracle_greedy, rel_err
 
 YARN = ["tiny-llama-yarn", "tiny-qwen2-yarn", "tiny-qwen3-yarn"]
 VARIANTS = YARN + ["tiny-llama3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3-softcap"]
@@ -82,17 +82,6 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def oracle(path: Path, n_ctx: int = 256, **options) -> OracleEngine:
-    gguf = GGUFFile(path)
-    return OracleEngine(gguf, family_for(gguf), n_ctx=n_ctx, **options)
-
-
-def oracle_greedy(engine, ids, n):
-    logits, out = engine.forward(ids), []
-    for i in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = engine.forward([out[-1]], 0, len(ids) + i)
-    return out
 
 
 # past YaRN's original context of 64 and the windows of 4 and 5
