@@ -376,6 +376,8 @@ class GGUFFile:
             return np.array(raw, dtype=np.float32)
         if t.type == QT.F16:
             return raw.astype(np.float32)
+        if t.type == QT.BF16:  # the upper half of a float32
+            return (raw.astype(np.uint32) << 16).view(np.float32)
         return gguf_quants.dequantize(raw, t.type).astype(np.float32, copy=False).reshape(t.shape)
 
     def release_pages(self) -> None:
