@@ -263,14 +263,15 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
 }
 
 void kiln_attend_merge(int n_parts, const float *const *o, const float *const *m, const float *const *l, int hd,
-                       int negate, float *out) {
-    float mx = -INFINITY;
+                       int negate, const float *sink, float *out) {
+    float mx = sink ? *sink : -INFINITY;
     for (int p = 0; p < n_parts; p++) mx = m[p][0] > mx ? m[p][0] : mx;
     float sum = 0.0f, w[n_parts > 0 ? n_parts : 1];
     for (int p = 0; p < n_parts; p++) {
         w[p] = m[p][0] == -INFINITY ? 0.0f : expf(m[p][0] - mx);
         sum += l[p][0] * w[p];
     }
+    if (sink) sum += expf(*sink - mx);
     float inv = sum > 0.0f ? (negate ? -1.0f : 1.0f) / sum : 0.0f;
     for (int d = 0; d < hd; d++) {
         float acc = o[0][d] * w[0];

@@ -14,11 +14,13 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
                       int first, int pos0, int window, int key_lo, int key_hi, float scale, float softcap,
                       const uint16_t *next_k, float *scratch, float *o, float *m, float *l);
 
-/* One query's output from its parts' (o, m, l), in part order: out = sum_p o_p e^(m_p - m) / sum_p
- * l_p e^(m_p - m) with m the largest m_p (negated when `negate`, a debug switch). A single part is
- * exactly o / l. */
+/* One query's output from its parts' (o, m, l), in part order: out = sum_p o_p e^(m_p - m) / (sum_p
+ * l_p e^(m_p - m) [+ e^(sink - m)]) with m the largest m_p (and *sink), negated when `negate` (a debug
+ * switch). `sink` (NULL: none) is the head's learned logit that joins the denominator only (gpt-oss's
+ * attention sinks): every kernel and cache type merges through here, so none of them knows it. A single
+ * part without a sink is exactly o / l. */
 void kiln_attend_merge(int n_parts, const float *const *o, const float *const *m, const float *const *l, int hd,
-                       int negate, float *out);
+                       int negate, const float *sink, float *out);
 
 /* Floats of scratch kiln_attend_part needs for rows * group queries. */
 size_t kiln_attend_scratch(int n_queries, int hd);

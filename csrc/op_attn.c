@@ -344,7 +344,8 @@ static void attention_merge(const kiln_plan *p, const kiln_op *op) {
                     o[k] = part + (size_t)r * hd, m[k] = part + (size_t)nq * hd + r, l[k] = part + (size_t)nq * (hd + 1) + r;
                 }
                 int i = r / group, h = g * group + r % group;
-                kiln_attend_merge(parts, o, m, l, hd, op->negate, op->out + (size_t)(t0 + i) * q_dim + (size_t)h * hd);
+                kiln_attend_merge(parts, o, m, l, hd, op->negate, op->sinks ? op->sinks + h : NULL,
+                                  op->out + (size_t)(t0 + i) * q_dim + (size_t)h * hd);
             }
     }
 }
@@ -375,6 +376,7 @@ size_t kiln_attn_scratch(const kiln_op *op, int rows, int out_rows) {
 void kiln_attn_bounds(const kiln_op *op, kiln_bounds *b) {
     if (!need_heads(op, b)) return;
     if (!(op->softcap >= 0.0f && op->softcap < INFINITY)) kiln_bounds_fail(b, "softcap is %g", op->softcap);
+    if (op->sinks) kiln_need(b, "sinks", op->sinks, sizeof(float) * op->n_heads);
     kiln_need(b, "out", op->out, sizeof(float) * b->plan->max_rows * op->n_heads * op->head_dim);
 }
 

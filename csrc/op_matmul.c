@@ -9,6 +9,7 @@
 /* The tail goes through the same vector math (padded), so a value never depends on where a chunk
  * boundary falls — results stay identical for any thread count. */
 AVX2 static __m256 glu8(int kind, __m256 g, __m256 u) {
+    if (kind == ACT_SWIGLU_OAI) return swiglu_oai256(g, u);
     return _mm256_mul_ps(kind == ACT_SILU ? silu256(g) : gelu_tanh256(g), u);
 }
 
@@ -65,6 +66,13 @@ static void add_bias(const float *bias, float *y, int n_rows, int r0, int n) {
         for (int i = 0; i < n; i++) y[(size_t)t * n + i] += bias[r0 + i];
 }
 
+/* gpt-oss's clamped SwiGLU (plan.h, ACT_SWIGLU_OAI) */
+static float swiglu_oai(float g, float u) {
+    g = g < SWIGLU_OAI_LIMIT ? g : SWIGLU_OAI_LIMIT;
+    u = u < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : u > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : u;
+    return (u + 1.0f) * (g / (1.0f + expf(-SWIGLU_OAI_ALPHA * g)));
+}
+
 /* out[i] = act(g[i]) * u[i]; the activation's exp is the only transcendental on the prefill path */
 void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n) {
 #if defined(KILN_X86)
@@ -73,6 +81,10 @@ void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n) {
         return;
     }
 #endif
+    if (kind == ACT_SWIGLU_OAI) {
+        for (int i = 0; i < n; i++) out[i] = swiglu_oai(g[i], u[i]);
+        return;
+    }
     for (int i = 0; i < n; i++) out[i] = activate(kind, g[i]) * u[i];
 }
 

@@ -1,13 +1,15 @@
 /* OP_MOE: a mixture-of-experts feed-forward block in one op, so that a step stays one native call.
  *
- *   route    (calling thread) router logits W_r·act for every row, a softmax, each row's top n_used
- *            experts and weights; the rows' (row, expert) pairs are then grouped by expert (a counting
+ *   route    (calling thread) router logits W_r·act (+ its bias) for every row, each row's top n_used
+ *            experts and weights (moe_gating: a softmax over every expert, then the top n_used; or the
+ *            top n_used logits, then a softmax over those alone); the rows' (row, expert) pairs are then grouped by expert (a counting
  *            sort, rows in order within an expert) and their activations gathered, one contiguous run
  *            of rows per expert
  *   up       (pool) per chunk: one expert, whole activation groups of its gate and up rows, for every
- *            row that chose it: both projections, the GLU, and the result quantized for the down
- *            projection (precise pairs, as the dense down projection's input)
- *   down     (pool) per chunk: one expert, a run of its down rows, for every row that chose it
+ *            row that chose it: both projections (+ the expert's biases), the GLU (glu_act), and the
+ *            result quantized for the down projection (precise pairs, as the dense down projection's input)
+ *   down     (pool) per chunk: one expert, a run of its down rows (+ the expert's bias), for every row
+ *            that chose it
  *   combine  (calling thread) out = residual + scale · (Σ weight · down output, in each row's top-k order,
  *            plus the shared expert's output times sigmoid(its scale)); scale: Granite's residual multiplier
  *
@@ -94,8 +96,12 @@ void kiln_moe_bounds(const kiln_op *op, kiln_bounds *b) {
         kiln_bounds_fail(b, "%d of %d experts per row", k, E);
         return;
     }
-    if (op->moe_gating != MOE_SOFTMAX) {
+    if (op->moe_gating != MOE_SOFTMAX && op->moe_gating != MOE_SOFTMAX_SELECTED) {
         kiln_bounds_fail(b, "gating %d is not one op_moe.c computes", op->moe_gating);
+        return;
+    }
+    if (op->glu_act != ACT_SILU && op->glu_act != ACT_SWIGLU_OAI) {
+        kiln_bounds_fail(b, "glu_act %d is not an experts' activation", op->glu_act);
         return;
     }
     if (op->ff < 1 || op->rows < 1 || op->chunk_tiles < 1 || op->down_tiles < 1 || op->shared_ff < 0) {
@@ -157,17 +163,28 @@ void kiln_moe_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need(b, "moe_y", op->moe_y, sizeof(float) * (pairs + R) * op->rows);
     kiln_need(b, "out", op->out, sizeof(float) * R * op->rows);
     if (op->res) kiln_need(b, "res", op->res, sizeof(float) * R * op->rows);
+    if (op->bias) kiln_need(b, "bias (router)", op->bias, sizeof(float) * E);
+    if (op->exp_gate_b) kiln_need(b, "exp_gate_b", op->exp_gate_b, sizeof(float) * E * op->ff);
+    if (op->exp_up_b) kiln_need(b, "exp_up_b", op->exp_up_b, sizeof(float) * E * op->ff);
+    if (op->exp_down_b) kiln_need(b, "exp_down_b", op->exp_down_b, sizeof(float) * E * op->rows);
 }
 
 /* ---- route ---- */
 
+/* A softmax of n values, in place. */
+static void softmax(float *x, int n) {
+    float top = x[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) top = x[i] > top ? x[i] : top;
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - top);
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
 /* Row t's chosen experts, best first (ties to the lower index), and their weights. */
 static void route_row(const kiln_op *op, float *logits, int32_t *chosen, float *weights) {
     const int E = op->n_experts, k = op->n_used;
-    float top = logits[0], sum = 0.0f;
-    for (int e = 1; e < E; e++) top = logits[e] > top ? logits[e] : top;
-    for (int e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - top);
-    for (int e = 0; e < E; e++) logits[e] /= sum;
+    if (op->bias)
+        for (int e = 0; e < E; e++) logits[e] += op->bias[e];
+    if (op->moe_gating == MOE_SOFTMAX) softmax(logits, E);
     float kept = 0.0f;
     for (int j = 0; j < k; j++) {
         int best = -1;
@@ -178,6 +195,10 @@ static void route_row(const kiln_op *op, float *logits, int32_t *chosen, float *
         }
         chosen[j] = best;
         kept += weights[j] = logits[best];
+    }
+    if (op->moe_gating == MOE_SOFTMAX_SELECTED) {
+        softmax(weights, k);
+        kept = 1.0f;
     }
     if (op->moe_normalize)
         for (int j = 0; j < k; j++) weights[j] /= kept;
@@ -218,7 +239,7 @@ static int list_units(const kiln_op *op, const route_view *r, int32_t *units, in
 
 typedef struct {
     const kiln_wmat *gate, *up, *down;
-    int shared, width, n, slot0, part; /* rows that chose it: grouped pairs [slot0, slot0 + n), or all rows */
+    int shared, expert, width, n, slot0, part; /* rows that chose it: grouped pairs [slot0, slot0 + n), or all rows */
 } unit;
 
 static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
@@ -232,6 +253,7 @@ static unit unit_of(const job *j, const int32_t *units, int c) {
     u.part = clamp(units[2 * c + 1], 0, max_parts(op));
     u.shared = e == E && has_shared(op);
     if (e == E && !u.shared) e = 0;
+    u.expert = e;
     if (u.shared) {
         u.gate = op->sh_gate, u.up = op->sh_up, u.down = op->sh_down;
         u.width = op->shared_ff, u.n = j->n_rows, u.slot0 = 0;
@@ -248,6 +270,18 @@ static unit unit_of(const job *j, const int32_t *units, int c) {
 static uint8_t *glu_rows(const kiln_op *op, const unit *u) {
     if (u->shared) return op->moe_hs;
     return op->moe_h + 2 * (size_t)u->slot0 * kiln_act_stride(u->down->fmt, u->width);
+}
+
+/* y[i][c] += bias[c] for n rows of w values: an expert's biases on its rows' outputs (none: NULL) */
+static void add_expert_bias(const float *bias, float *y, int n, int w) {
+    if (!bias) return;
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < w; c++) y[(size_t)i * w + c] += bias[c];
+}
+
+/* The expert's row of a [n_experts][width] bias table, from column r0 (the shared expert has none). */
+static const float *expert_bias(const float *table, const unit *u, int width, int r0) {
+    return table && !u->shared ? table + (size_t)u->expert * width + r0 : NULL;
 }
 
 /* ---- up: gate, up, GLU, quantized ---- */
@@ -284,10 +318,12 @@ static void up_compute(void *ctx, int c, int thread) {
     up_scratch s = up_scratch_of(j, thread);
     matmul_rows(u.gate, x, u.n, s.g, r0, r1);
     matmul_rows(u.up, x, u.n, s.u, r0, r1);
+    add_expert_bias(expert_bias(op->exp_gate_b, &u, op->ff, r0), s.g, u.n, w);
+    add_expert_bias(expert_bias(op->exp_up_b, &u, op->ff, r0), s.u, u.n, w);
     size_t qs = glu_act_stride(4 * op->chunk_tiles);
     for (int i = 0; i < u.n; i++) {
         float *g = s.g + (size_t)i * w;
-        kiln_glu_row(ACT_SILU, g, s.u + (size_t)i * w, g, w);
+        kiln_glu_row(op->glu_act, g, s.u + (size_t)i * w, g, w);
         if (paired(op, u.down))
             kiln_quantize_act_pair(u.down->fmt, g, w, s.q + i * qs, s.q + (u.n + i) * qs, s.residual);
         else
@@ -324,6 +360,7 @@ static void down_compute(void *ctx, int c, int thread) {
     float *y = scratch(j, thread);
     matmul_rows(u.down, glu_rows(op, &u), act_rows(op, u.down, u.n), y, r0, r1);
     fold_pairs(op, u.down, y, u.n, r1 - r0, r1 - r0);
+    add_expert_bias(expert_bias(op->exp_down_b, &u, op->rows, r0), y, u.n, r1 - r0);
 }
 
 static void down_commit(void *ctx, int c, int thread) {

@@ -16,7 +16,7 @@ enum {
     OP_QUANT,      /* act = quantize(x) */
     OP_QKV,        /* q, k, v projections; per head: bias, q/k norm, rope (or a q/k norm over the whole
                     * projection, then rope); k, v stored into the cache */
-    OP_ATTN,       /* out = softmax(q·K / sqrt) · V over each row's slot, causal (+ sliding window) */
+    OP_ATTN,       /* out = softmax(q·K / sqrt [, sink]) · V over each row's slot, causal (+ sliding window) */
     OP_MATMUL,     /* out = scale * [activation](W·act + bias) (+ residual) */
     OP_GLU,        /* out = act(Wg·a + bg) * (Wu·a + bu) */
     OP_NORM_ADD,   /* out = residual + rmsnorm(x) * w */
@@ -36,10 +36,15 @@ enum {
     OPC_COUNT
 };
 
-enum { ACT_SILU, ACT_GELU_TANH };
+/* GLU activations; ACT_SWIGLU_OAI (gpt-oss's experts, a GLU only): g clamped above at 7, u to [-7, 7],
+ * out = (u + 1) * g * sigmoid(1.702 g) */
+enum { ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_OAI };
 
 /* OP_MOE: how router logits become the chosen experts' weights */
-enum { MOE_SOFTMAX /* softmax over every expert, then the top n_used */ };
+enum {
+    MOE_SOFTMAX,         /* softmax over every expert, then the top n_used */
+    MOE_SOFTMAX_SELECTED /* the top n_used logits, then a softmax over those alone (gpt-oss) */
+};
 
 #define MAX_ACTS 3 /* activation layouts one input may be quantized into */
 #define ATTN_BLOCK 16 /* rows of one sequence at consecutive positions share each key and value tile */
@@ -129,6 +134,12 @@ typedef struct kiln_op {
     float *moe_gates;                                /* [rows][n_experts] logits, [rows][n_used] weights, [rows] */
     uint8_t *moe_x, *moe_h, *moe_hs;                 /* rows gathered by expert; GLU outputs (experts, shared) */
     float *moe_y;                                    /* down projections: [rows*n_used + rows][rows] */
+    /* OP_ATTN: a learned logit per query head [n_heads] that joins each query's softmax denominator
+     * only (gpt-oss's attention sinks); NULL: none */
+    const float *sinks;
+    /* OP_MOE: the experts' biases, [n_experts][ff] for gate and up and [n_experts][rows] for down (NULL:
+     * none); the router's bias is `bias`, the experts' and shared expert's GLU activation `glu_act` */
+    const float *exp_gate_b, *exp_up_b, *exp_down_b;
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

@@ -607,6 +607,7 @@ static const struct {
     FIELD(sh_act, 'i'), FIELD(sh_scale_act, 'i'), FIELD(sh_gate, 'p'), FIELD(sh_up, 'p'), FIELD(sh_down, 'p'),
     FIELD(sh_scale, 'p'), FIELD(down_tiles, 'i'), FIELD(moe_route, 'p'), FIELD(moe_gates, 'p'), FIELD(moe_x, 'p'),
     FIELD(moe_h, 'p'), FIELD(moe_hs, 'p'), FIELD(moe_y, 'p'),
+    FIELD(sinks, 'p'), FIELD(exp_gate_b, 'p'), FIELD(exp_up_b, 'p'), FIELD(exp_down_b, 'p'),
 };
 
 static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {
@@ -712,11 +713,11 @@ int kiln_plan_add_types(PyObject *module) {
         {"OP_EMBED", OP_EMBED}, {"OP_NORM_QUANT", OP_NORM_QUANT}, {"OP_QUANT", OP_QUANT}, {"OP_QKV", OP_QKV},
         {"OP_ATTN", OP_ATTN}, {"OP_MATMUL", OP_MATMUL}, {"OP_GLU", OP_GLU}, {"OP_NORM_ADD", OP_NORM_ADD},
         {"OP_LOGITS", OP_LOGITS}, {"OPC_MATMUL", OPC_MATMUL}, {"OPC_ATTENTION", OPC_ATTENTION},
-        {"OPC_NORM", OPC_NORM}, {"OPC_HEAD", OPC_HEAD}, {"OPC_EMBED", OPC_EMBED}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH},
+        {"OPC_NORM", OPC_NORM}, {"OPC_HEAD", OPC_HEAD}, {"OPC_EMBED", OPC_EMBED}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH}, {"ACT_SWIGLU_OAI", ACT_SWIGLU_OAI},
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
         {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
         {"OP_SHORTCONV", OP_SHORTCONV},
-        {"OP_MOE", OP_MOE}, {"MOE_SOFTMAX", MOE_SOFTMAX},
+        {"OP_MOE", OP_MOE}, {"MOE_SOFTMAX", MOE_SOFTMAX}, {"MOE_SOFTMAX_SELECTED", MOE_SOFTMAX_SELECTED},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;

@@ -4,6 +4,10 @@
 
 #include "kernels.h"
 
+/* gpt-oss's clamped SwiGLU (plan.h, ACT_SWIGLU_OAI): its sigmoid's slope and the clamp */
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
+
 #if defined(KILN_X86)
 #include <immintrin.h>
 #ifndef AVX2
@@ -43,6 +47,16 @@ AVX2 static inline __m256 tanh256(__m256 y) {
     __m256 e = exp256(_mm256_add_ps(a, a));
     __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     return _mm256_or_ps(t, _mm256_and_ps(sign, y));
+}
+
+/* gpt-oss's clamped SwiGLU: (clamp(u, -7, 7) + 1) * g * sigmoid(1.702 g), g clamped above at 7 */
+AVX2 static inline __m256 swiglu_oai256(__m256 g, __m256 u) {
+    const __m256 limit = _mm256_set1_ps(SWIGLU_OAI_LIMIT);
+    g = _mm256_min_ps(g, limit);
+    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+    __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-SWIGLU_OAI_ALPHA), g));
+    __m256 glu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    return _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.0f)), glu);
 }
 
 AVX2 static inline __m256 gelu_tanh256(__m256 g) {

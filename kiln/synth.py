@@ -30,6 +30,44 @@ GEMMA_TEMPLATE = (
 # Phi-4-mini's end-of-text and turn markers, after its ordinary tokens as in its own vocabulary (llama.cpp
 # finds <|end|> and <|endoftext|> by their text), and its template
 PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+# gpt-oss's chat format (harmony), small and written the way gpt-oss's shipped template works: a system message
+# with `Reasoning: <effort>`, the instructions and tools in a developer message, earlier calls as
+# `assistant to=functions.NAME` messages after the turn's `thinking`, tool results from
+# `functions.NAME to=assistant`, and a generation prompt of `<|start|>assistant`
+HARMONY_TEMPLATE = (
+    "{%- set effort = reasoning_effort if reasoning_effort is defined else 'medium' %}"
+    "{{- '<|start|>system<|message|>You are a helpful assistant.\\nReasoning: ' + effort + '\\n\\n'"
+    " + '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}"
+    "{%- if tools %}{{- \"\\nCalls to these tools must go to the commentary channel: 'functions'.\" }}{%- endif %}"
+    "{{- '<|end|>' }}"
+    "{%- if messages and messages[0].role in ('system', 'developer') %}"
+    "{%- set instructions = messages[0].content %}{%- set rest = messages[1:] %}"
+    "{%- else %}{%- set instructions = '' %}{%- set rest = messages %}{%- endif %}"
+    "{%- if instructions or tools %}{{- '<|start|>developer<|message|>' }}"
+    "{%- if instructions %}{{- '# Instructions\\n\\n' + instructions + '\\n\\n' }}{%- endif %}"
+    "{%- if tools %}{{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n' }}"
+    "{%- for t in tools %}{{- '\\ntype ' + t.function.name + ' = (_: ' + (t.function.parameters | tojson) + ') => any;\\n' }}"
+    "{%- endfor %}{{- '\\n} // namespace functions' }}{%- endif %}"
+    "{{- '<|end|>' }}{%- endif %}"
+    "{%- set last = namespace(name=none) %}"
+    "{%- for m in rest %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.thinking %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif %}"
+    "{%- set call = m.tool_calls[0].function %}"
+    "{{- '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>'"
+    " + (call.arguments | tojson) + '<|call|>' }}"
+    "{%- set last.name = call.name %}"
+    "{%- elif m.role == 'assistant' %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|start|>functions.' + last.name + ' to=assistant<|channel|>commentary<|message|>' + (m.content | tojson)"
+    " + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+# harmony's control tokens, as gpt-oss's vocabulary has them; <|return|> ends an answer, <|call|> a call
+HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                    "<|return|>", "<|call|>"]
 PHI3_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
@@ -64,10 +102,16 @@ class Shape:
     n_experts_used: int = 0
     expert_ffn_dim: int = 0
     shared_ffn_dim: int = 0
+    expert_qtype: QT | None = None  # the experts' type whatever the rest's (gpt-oss ships MXFP4 experts); None: qtype
 
 
 # YaRN as Qwen2.5's configs set it (factor 4 over 32k), at a tiny model's scale
 _YARN = (("rope.scaling.type", "yarn"), ("rope.scaling.factor", 4.0), ("rope.scaling.original_context_length", 64))
+
+# gpt-oss's: a factor of 32 over 4k, and its attention's biases
+_GPT_OSS_YARN = (("rope.scaling.type", "yarn"), ("rope.scaling.factor", 32.0),
+                 ("rope.scaling.original_context_length", 4096))
+_GPT_OSS_BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
 SHAPES = {
@@ -113,6 +157,16 @@ SHAPES = {
                         expert_ffn_dim=32),
     "tiny-granitemoe": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
                              expert_ffn_dim=64),
+    # gpt-oss: biased attention with sinks, local on even layers (a window shorter than the tests' prompts),
+    # YaRN as gpt-oss-20b sets it (a factor of 32, the context 32 times the original) at a tiny scale, experts
+    # with biases
+    "tiny-gpt-oss": Shape("gpt-oss", 64, 2, 4, 2, 16, 64, 512, context_length=2048, tied=False, sliding_window=8,
+                          biases=_GPT_OSS_BIASES, n_experts=8, n_experts_used=2, expert_ffn_dim=64,
+                          metadata=_GPT_OSS_YARN[:2] + (("rope.scaling.original_context_length", 64),)),
+    # gpt-oss-20b's shape (24 layers; benchmarks cut the layer count), its experts MXFP4 as released
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, context_length=131072, tied=False,
+                         sliding_window=128, biases=_GPT_OSS_BIASES, n_experts=32, n_experts_used=4,
+                         expert_ffn_dim=2880, expert_qtype=QT.MXFP4, metadata=_GPT_OSS_YARN),
     "tiny-granitemoe-shared": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
                                     expert_ffn_dim=64, shared_ffn_dim=32),
 }
@@ -220,7 +274,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         w.add_layer_norm_eps(1e-5)
     else:
         w.add_layer_norm_rms_eps(1e-6)
-        w.add_rope_freq_base(10000.0 if a == "llama" else 1e6)
+        w.add_rope_freq_base({"llama": 10000.0, "gpt-oss": 150000.0}.get(a, 1e6))
     if shape.rope_dim:
         w.add_rope_dimension_count(shape.rope_dim)
     if shape.long_rope:
@@ -305,7 +359,9 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         if a == "olmoe":  # q/k norms over the whole projections
             norm(p + "attn_q_norm.weight", q_dim)
             norm(p + "attn_k_norm.weight", kv_dim)
-        norm(p + "ffn_norm.weight", shape.dim)
+        norm(p + ("post_attention_norm.weight" if a == "gpt-oss" else "ffn_norm.weight"), shape.dim)
+        if a == "gpt-oss":
+            _add(w, p + "attn_sinks.weight", _tensor(rng, (shape.n_heads,), 1.0), QT.F32)
         if shape.n_experts:
             _add_experts(w, rng, p, shape, qtype, random_blocks)
         else:
@@ -469,11 +525,22 @@ _BLOCK_SCALES = {**_RANDOM_BLOCKS, QT.Q4_0: ((0,), 8), QT.Q8_0: ((0,), 127), QT.
 
 
 def _random_blocks(rng, rows: int, cols: int, qtype: QT) -> np.ndarray:
+    if qtype == QT.MXFP4:
+        return _random_mxfp4(rng, rows, cols)
     (offsets, reach), (block, size) = _BLOCK_SCALES[qtype], gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(3.0 / np.sqrt(cols) / reach).tobytes(), dtype=np.uint8)
     for at in offsets:
         raw[..., at : at + 2] = scale
+    return raw.reshape(rows, -1)
+
+
+def _random_mxfp4(rng, rows: int, cols: int) -> np.ndarray:
+    """MXFP4 blocks of random nibbles under one e8m0 exponent (2^(e - 128) times e2m1's doubled values, at
+    most 12), chosen so the largest value is near the float weights' size."""
+    block, size = gguf.GGML_QUANT_SIZES[QT.MXFP4]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    raw[..., 0] = np.uint8(round(128 + np.log2(3.0 / np.sqrt(cols) / 12)))
     return raw.reshape(rows, -1)
 
 
@@ -507,9 +574,10 @@ def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, rando
     """One layer's router, experts (3-D, as llama.cpp's converter stacks them) and shared expert. Routers
     stay float32, as llama.cpp's quantizer leaves them."""
     n, dim, ff = shape.n_experts, shape.dim, shape.expert_ffn_dim
+    qtype = qtype if shape.expert_qtype is None else shape.expert_qtype
     _add(w, p + "ffn_gate_inp.weight", _tensor(rng, (n, dim), 1.0 / np.sqrt(dim)), QT.F32)
     for name, rows, cols in (("gate", ff, dim), ("up", ff, dim), ("down", dim, ff)):
-        if random_blocks and qtype in _BLOCK_SCALES:
+        if random_blocks and qtype in (*_BLOCK_SCALES, QT.MXFP4):
             w.add_tensor(p + f"ffn_{name}_exps.weight", _random_blocks(rng, n * rows, cols, qtype).reshape(n, rows, -1),
                          raw_dtype=qtype)
         else:
@@ -520,6 +588,10 @@ def _add_experts(w: gguf.GGUFWriter, rng, p: str, shape: Shape, qtype: QT, rando
             _add(w, p + f"ffn_{name}_shexp.weight", _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols)), qtype)
         if shape.arch == "qwen2moe":  # its shared expert's sigmoid gate (Granite-MoE-Shared's has none)
             _add(w, p + "ffn_gate_inp_shexp.weight", _tensor(rng, (dim,), 1.0 / np.sqrt(dim)), QT.F32)
+    if shape.arch == "gpt-oss":  # the router's and each expert's biases, float32 as llama.cpp leaves them
+        _add(w, p + "ffn_gate_inp.bias", _tensor(rng, (n,), 0.5), QT.F32)
+        for name, width in (("gate", ff), ("up", ff), ("down", dim)):
+            _add(w, p + f"ffn_{name}_exps.bias", _tensor(rng, (n, width), 0.5), QT.F32)
 
 
 # ---- families whose files depart from the Llama layout above -------------------------------------------
@@ -669,4 +741,13 @@ FAMILY_WRITERS: dict[str, FamilyWriter] = {
     "phi3": FamilyWriter(lambda w, shape: None, _phi3_tokenizer, model_name="Phi-4-mini-like"),
 }
 FAMILY_WRITERS["olmoe"] = FamilyWriter(lambda w, shape: None, _olmo2_tokenizer)
+
+
+def _gpt_oss_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    """harmony's control tokens, GPT-4o's pre-tokenizer (gpt-oss's o200k), <|return|> the end of a reply."""
+    _bpe_tokenizer(w, shape, rng, HARMONY_SPECIALS, "gpt-4o", 0, HARMONY_SPECIALS.index("<|return|>"),
+                   HARMONY_TEMPLATE)
+
+
+FAMILY_WRITERS["gpt-oss"] = FamilyWriter(lambda w, shape: w.add_sliding_window(shape.sliding_window), _gpt_oss_tokenizer)
 FAMILY_WRITERS["granitemoe"] = FamilyWriter(_granite_metadata, _granite_tokenizer)

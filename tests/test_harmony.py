@@ -3,13 +3,13 @@ the reply's messages are parsed into reasoning (analysis), content (final) and t
 functions.NAME), streamed in any pieces, through kiln run and a real `kiln serve` with the official openai and
 ollama clients.
 
-The fixture template is a small one written the way gpt-oss's shipped template works: a system message with
-`Reasoning: <effort>` (medium unless `reasoning_effort` says otherwise), the instructions and tools in a
-developer message, earlier calls as `assistant to=functions.NAME` messages with the turn's `thinking` before
-them, tool results from `functions.NAME to=assistant`, and a generation prompt of `<|start|>assistant`. The
-models are scripted (tests/scripted.py) with harmony's control tokens; a bigram script repeats no token, so a
-second `<|channel|>` or `<|message|>` is spelled in two ordinary tokens (the parser reads text), and so is
-"assistant", whose whole word the prompt's last token must not be."""
+The template (kiln.synth's, which its gpt-oss models carry) is a small one written the way gpt-oss's shipped
+template works: a system message with `Reasoning: <effort>` (medium unless `reasoning_effort` says otherwise),
+the instructions and tools in a developer message, earlier calls as `assistant to=functions.NAME` messages
+with the turn's `thinking` before them, tool results from `functions.NAME to=assistant`, and a generation
+prompt of `<|start|>assistant`. The models are scripted (tests/scripted.py) with harmony's control tokens; a
+bigram script repeats no token, so a second `<|channel|>` or `<|message|>` is spelled in two ordinary tokens
+(the parser reads text), and so is "assistant", whose whole word the prompt's last token must not be."""
 
 from __future__ import annotations
 
@@ -24,45 +24,12 @@ from kiln.chat import render_chat
 from kiln.engine.request import GenerationRequest, prepare
 from kiln.errors import RequestError
 from kiln.harmony import HarmonyParser
+from kiln.synth import HARMONY_SPECIALS, HARMONY_TEMPLATE
 from kiln.thinking import template_supports_thinking, template_variables, thinking_style
 from kiln.tools import Reasoning, ToolCall
 from tests.scripted import write_scripted_gguf
 from tests.serving import store_server
 
-HARMONY_STYLE = (
-    "{%- set effort = reasoning_effort if reasoning_effort is defined else 'medium' %}"
-    "{{- '<|start|>system<|message|>You are a scripted model.\\nReasoning: ' + effort + '\\n\\n'"
-    " + '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}"
-    "{%- if tools %}{{- \"\\nCalls to these tools must go to the commentary channel: 'functions'.\" }}{%- endif %}"
-    "{{- '<|end|>' }}"
-    "{%- if messages and messages[0].role in ('system', 'developer') %}"
-    "{%- set instructions = messages[0].content %}{%- set rest = messages[1:] %}"
-    "{%- else %}{%- set instructions = '' %}{%- set rest = messages %}{%- endif %}"
-    "{%- if instructions or tools %}{{- '<|start|>developer<|message|>' }}"
-    "{%- if instructions %}{{- '# Instructions\\n\\n' + instructions + '\\n\\n' }}{%- endif %}"
-    "{%- if tools %}{{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n' }}"
-    "{%- for t in tools %}{{- '\\ntype ' + t.function.name + ' = (_: ' + (t.function.parameters | tojson) + ') => any;\\n' }}"
-    "{%- endfor %}{{- '\\n} // namespace functions' }}{%- endif %}"
-    "{{- '<|end|>' }}{%- endif %}"
-    "{%- set last = namespace(name=none) %}"
-    "{%- for m in rest %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}"
-    "{%- if m.thinking %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif %}"
-    "{%- set call = m.tool_calls[0].function %}"
-    "{{- '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>'"
-    " + (call.arguments | tojson) + '<|call|>' }}"
-    "{%- set last.name = call.name %}"
-    "{%- elif m.role == 'assistant' %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
-    "{%- elif m.role == 'tool' %}"
-    "{{- '<|start|>functions.' + last.name + ' to=assistant<|channel|>commentary<|message|>' + (m.content | tojson)"
-    " + '<|end|>' }}"
-    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
-)
-# harmony's control tokens, as gpt-oss's vocabulary has them; <|return|> ends an answer, <|call|> a call
-HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
-                    "<|return|>", "<|call|>"]
 ANSWER = ["<|channel|>", "analysis", "<|message|>", "Let me count.", "<|end|>", "<|start|>", "assist", "ant",
           "<|chan", "nel|>final", "<|mess", "age|>", "Three!"]
 CALLING = ["<|channel|>", "analysis", "<|message|>", "I need the weather.", "<|end|>", "<|start|>", "assist", "ant",
@@ -91,14 +58,14 @@ def split(parser, text: str, size: int) -> tuple[str, str, list]:
 
 # --- the template, and parsing -----------------------------------------------------------------------
 def test_a_harmony_template_takes_an_effort_and_always_reasons():
-    style = thinking_style(HARMONY_STYLE)
+    style = thinking_style(HARMONY_TEMPLATE)
     assert style.harmony and (style.switch, style.effort, style.history_field) == (None, True, "thinking")
-    assert template_supports_thinking(HARMONY_STYLE)
-    assert "Reasoning: medium" in render_chat(HARMONY_STYLE, HI)
+    assert template_supports_thinking(HARMONY_TEMPLATE)
+    assert "Reasoning: medium" in render_chat(HARMONY_TEMPLATE, HI)
     for effort in ("low", "medium", "high"):
         variables = template_variables(style, effort, "m")
         assert variables == {"reasoning_effort": effort}
-        assert f"Reasoning: {effort}\n" in render_chat(HARMONY_STYLE, HI, **variables)
+        assert f"Reasoning: {effort}\n" in render_chat(HARMONY_TEMPLATE, HI, **variables)
     assert template_variables(style, True, "m") == template_variables(style, False, "m") == {}
     with pytest.raises(RequestError, match="think must be true, false or one of low, medium, high"):
         template_variables(style, "extreme", "m")
@@ -153,9 +120,9 @@ def test_tool_calls_from_the_commentary_channel(size):
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("harmony")
     scripted = dict(after="t", specials=HARMONY_SPECIALS, markers=[])  # the prompt ends "<|start|>assistant"
-    return {"gpt-think": write_scripted_gguf(folder / "answer.gguf", HARMONY_STYLE, ANSWER, end="<|return|>",
+    return {"gpt-think": write_scripted_gguf(folder / "answer.gguf", HARMONY_TEMPLATE, ANSWER, end="<|return|>",
                                              **scripted),
-            "gpt-tools": write_scripted_gguf(folder / "tools.gguf", HARMONY_STYLE, CALLING, end="<|call|>",
+            "gpt-tools": write_scripted_gguf(folder / "tools.gguf", HARMONY_TEMPLATE, CALLING, end="<|call|>",
                                              **scripted)}
 
 

@@ -206,8 +206,8 @@ def test_moe_plan_checks_its_experts_and_buffers(tmp_path):
 
     with pytest.raises(ValueError, match=rf"plan op {moe} \(MOE, layer \d+\): 9 of 8 experts per row"):
         patched("n_used", 9)
-    with pytest.raises(ValueError, match=r"gating 1 is not one op_moe.c computes"):
-        patched("moe_gating", 1)
+    with pytest.raises(ValueError, match=r"gating 2 is not one op_moe.c computes"):
+        patched("moe_gating", 2)
     with pytest.raises(ValueError, match=r"gate and up chunks of 4 rows cut an activation group"):
         patched("chunk_tiles", 1)
     with pytest.raises(ValueError, match=rf"plan op {moe} \(MOE, layer \d+\): scale is 0"):

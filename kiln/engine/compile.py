@@ -12,8 +12,8 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     layernorm → linear          NORM_QUANT with the mean subtracted and the norm's bias added
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
-    add(x, moe(h))              MOE (routing, the chosen experts' GLUs and down projections, a shared
-                                expert, the weighted sum and the residual: csrc/op_moe.c)
+    add(x, moe(h))              MOE (routing, the chosen experts' GLUs and down projections with their
+                                biases, a shared expert, the weighted sum and the residual: csrc/op_moe.c)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS (soft-capped last)
 
 Buffers are symbolic until every op is emitted; then they get arena offsets, reused once dead. Each op's
@@ -290,7 +290,9 @@ class Lowering:
 
     def _moe(self, node: Node, out: Buf, res: Buf | None, scale: float = 1.0) -> None:
         e, x, w = node.params["experts"], node.inputs[0], self.weights
-        if e.gating != "softmax" or e.act != "silu":
+        gatings = {"softmax": self.n.MOE_SOFTMAX, "softmax_selected": self.n.MOE_SOFTMAX_SELECTED}
+        acts_of = {"silu": self.n.ACT_SILU, "swiglu_oai": self.n.ACT_SWIGLU_OAI}
+        if e.gating not in gatings or e.act not in acts_of:
             raise CompileError(f"no native op routes by {e.gating!r} into {e.act!r} experts")
         width, dim = self._width(x), self.cfg.dim
         acts, router_act = self._act_index(x, e.router)
@@ -317,7 +319,9 @@ class Lowering:
         self._emit(kind=self.n.OP_MOE, op_class=self.n.OPC_MATMUL, layer=int(layer[1]) if layer else 0,
                    **self._act_fields(acts, width), rows=dim,
                    w=w.matrix(e.router).address, w_act=router_act, n_experts=e.n_experts, n_used=e.n_used,
-                   moe_gating=self.n.MOE_SOFTMAX, moe_normalize=int(e.normalize), ff=e.ff_dim,
+                   moe_gating=gatings[e.gating], moe_normalize=int(e.normalize), ff=e.ff_dim, glu_act=acts_of[e.act],
+                   bias=self._bias(e.router_bias), exp_gate_b=self._bias(e.gate_bias), exp_up_b=self._bias(e.up_bias),
+                   exp_down_b=self._bias(e.down_bias),
                    exp_gate=w.expert_table(e.gate), exp_up=w.expert_table(e.up), exp_down=w.expert_table(e.down),
                    exp_act=expert_act, chunk_tiles=chunk_tiles, down_tiles=down_tiles, precise=1,
                    moe_route=Buf(4 * route_ints), moe_gates=Buf(4 * (rows * e.n_experts + pairs + rows)),
@@ -378,7 +382,8 @@ class Lowering:
                       "rope.neox": int(rope.neox) if rope else 0})
         out = self._floats(attn.n_heads * hd)
         self._emit(kind=self.n.OP_ATTN, op_class=self.n.OPC_ATTENTION, **common, out=out, scale=attn.scale, window=attn.window or 0,
-                   negate=int(layer == self.negate_layer), softcap=attn.softcap)
+                   negate=int(layer == self.negate_layer), softcap=attn.softcap,
+                   sinks=None if attn.sinks is None else self.weights.vector(attn.sinks))
         return out
 
     def _value_linear(self, node: Node) -> Buf:

@@ -25,6 +25,19 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
 
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)  # gpt-oss's (transformers', llama.cpp's)
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: the gate clamped above at 7, up to [-7, 7], (up + 1) * g * sigmoid(1.702 g)."""
+    g = np.minimum(g, SWIGLU_OAI_LIMIT)
+    u = np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-SWIGLU_OAI_ALPHA * g)))
+
+
+# a GLU by its activation's name: act(gate) * up, or gpt-oss's whole clamped form
+GLUS = {"silu": lambda g, u: silu(g) * u, "gelu_tanh": lambda g, u: gelu_tanh(g) * u, "swiglu_oai": swiglu_oai}
+
 
 def rope_angles(rope: Rope, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     angles = np.outer(positions.astype(np.float32) * np.float32(rope.position_scale), inv_freq.astype(np.float32))
@@ -53,8 +66,10 @@ def apply_rope(x: np.ndarray, rope: Rope, heads: int, cos: np.ndarray, sin: np.n
     return x.reshape(t, -1)
 
 
-def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, attn: Attention) -> np.ndarray:
-    """Causal (optionally sliding-window) attention of queries at `positions` over keys 0..max(positions)."""
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, attn: Attention,
+           sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal (optionally sliding-window) attention of queries at `positions` over keys 0..max(positions);
+    `sinks` (one logit per query head) join each softmax's denominator only."""
     t, n_ctx = q.shape[0], keys.shape[0]
     group = attn.n_heads // attn.n_kv_heads
     qh = q.reshape(t, attn.n_kv_heads, group, attn.head_dim)
@@ -64,20 +79,32 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.nd
     if attn.window is not None:
         visible &= key_pos[None, :] > positions[:, None] - attn.window
     scores = np.where(visible, scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(np.float32).reshape(attn.n_kv_heads, group, 1, 1)
+        top = np.maximum(top, sink)
+    p = np.exp(scores - top)
+    denominator = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + np.exp(sink - top)
+    p /= denominator
     out = np.einsum("kgts,skd->tkgd", p, values)
     return out.reshape(t, attn.n_heads * attn.head_dim)
 
 
 def route(logits: np.ndarray, e) -> tuple[np.ndarray, np.ndarray]:
     """Each row's chosen experts (best first; ties to the lower index, as csrc/op_moe.c breaks them) and
-    their weights: a softmax over every expert, kept for the top `n_used`, renormalized if the block says."""
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    chosen = np.argsort(-p, axis=1, kind="stable")[:, : e.n_used]
-    weights = np.take_along_axis(p, chosen, axis=1)
+    their weights: a softmax over every expert, kept for the top `n_used` (or, "softmax_selected", the top
+    `n_used` logits and a softmax over those alone), renormalized if the block says."""
+    def softmax(x):
+        p = np.exp(x - x.max(axis=1, keepdims=True))
+        return p / p.sum(axis=1, keepdims=True)
+
+    scores = softmax(logits) if e.gating == "softmax" else logits
+    chosen = np.argsort(-scores, axis=1, kind="stable")[:, : e.n_used]
+    weights = np.take_along_axis(scores, chosen, axis=1)
+    if e.gating == "softmax_selected":
+        weights = softmax(weights)
     if e.normalize:
         weights = weights / weights.sum(axis=1, keepdims=True)
     return chosen, weights.astype(np.float32)
@@ -112,7 +139,9 @@ class NumpyOps:
     def attention(self, layer, q, k, v, attn):
         keys, values = self.e.kv.write(layer, self.slot, self.positions[0], k, v, attn.n_kv_heads)
         end = self.positions[-1] + 1
-        out = attend(q, keys[:end].astype(np.float32, copy=False), values[:end].astype(np.float32, copy=False), self.positions, attn)
+        sinks = self.e.weight(attn.sinks) if attn.sinks is not None else None
+        out = attend(q, keys[:end].astype(np.float32, copy=False), values[:end].astype(np.float32, copy=False), self.positions,
+                     attn, sinks)
         return -out if layer == self.e.negate_layer else out
 
     def glu(self, x, gate, up, act, gate_bias=None, up_bias=None):
@@ -141,15 +170,19 @@ class NumpyOps:
         return c * self.e.conv.convolve(layer, self.slot, int(self.positions[0]), b * x, self.e.weight(weight))
 
     def moe(self, x, e):
-        chosen, weights = route(self.linear(x, e.router), e)
-        act, out = ACTIVATIONS[e.act], np.zeros((x.shape[0], self.e.weight(e.down).shape[1]), np.float32)
+        chosen, weights = route(self.linear(x, e.router, e.router_bias), e)
+        glu, out = GLUS[e.act], np.zeros((x.shape[0], self.e.weight(e.down).shape[1]), np.float32)
+
+        def project(h, tensor, bias, expert):
+            y = h @ self.e.weight(tensor)[expert].T
+            return y + self.e.weight(bias)[expert] if bias is not None else y
+
         for expert in np.unique(chosen):
             rows, slots = np.nonzero(chosen == expert)
-            h = x[rows]
-            g, u = h @ self.e.weight(e.gate)[expert].T, h @ self.e.weight(e.up)[expert].T
-            out[rows] += weights[rows, slots][:, None] * ((act(g) * u) @ self.e.weight(e.down)[expert].T)
+            h = glu(project(x[rows], e.gate, e.gate_bias, expert), project(x[rows], e.up, e.up_bias, expert))
+            out[rows] += weights[rows, slots][:, None] * project(h, e.down, e.down_bias, expert)
         if e.shared_gate is not None:
-            shared = self.linear(self.glu(x, e.shared_gate, e.shared_up, e.act), e.shared_down)
+            shared = self.linear(GLUS[e.act](self.linear(x, e.shared_gate), self.linear(x, e.shared_up)), e.shared_down)
             if e.shared_scale is not None:
                 shared = shared / (1.0 + np.exp(-(x @ self.e.weight(e.shared_scale))))[:, None]
             out += shared

@@ -92,6 +92,9 @@ class Attention:
     rope: Rope | None  # None: the layer's positions come from the causal mask alone (NoPE)
     window: int | None = None  # sliding window: a query sees at most this many positions, itself included
     softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none
+    # a tensor of one learned logit per query head that joins each softmax's denominator only (gpt-oss's
+    # attention sinks): a query may give some of its attention to no position
+    sinks: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,12 @@ class Experts:
     [n_experts, dim, ff_dim]. A shared expert (Qwen2-MoE) is a GLU every row runs, its output scaled by
     sigmoid(x · shared_scale) when the file has that gate.
 
-    `gating` says how router logits become weights: "softmax" over all experts, then the top `n_used`
-    (renormalized to sum to 1 when `normalize`). Other gatings (a softmax over the selected logits
-    alone, expert biases, a clamped activation) are further values of these fields."""
+    `gating` says how router logits (plus `router_bias`) become weights: "softmax" over all experts, then
+    the top `n_used` (renormalized to sum to 1 when `normalize`); "softmax_selected" (gpt-oss, llama.cpp's
+    SOFTMAX_WEIGHT): the top `n_used` logits, then a softmax over those alone. `act` is the experts' GLU:
+    "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above at 7, up to [-7, 7], then
+    (up + 1) * gate * sigmoid(1.702 gate)). Expert biases are [n_experts, ff_dim] (gate, up) and
+    [n_experts, dim] (down) tables, one row per expert."""
 
     router: str  # [n_experts, dim]
     gate: str
@@ -151,6 +157,10 @@ class Experts:
     shared_down: str | None = None
     shared_ff_dim: int = 0
     shared_scale: str | None = None  # a [dim] vector
+    router_bias: str | None = None  # [n_experts]
+    gate_bias: str | None = None
+    up_bias: str | None = None
+    down_bias: str | None = None
 
 
 class Ops(Protocol):
@@ -363,9 +373,10 @@ def conv_layers(cfg: ModelConfig) -> list[int]:
 
 def active_parameters(gguf: GGUFFile, cfg: ModelConfig) -> int:
     """Parameters one token computes with: all of them, less the experts a mixture-of-experts layer's router
-    does not choose for it ((n_experts - n_used) of each 3-D expert tensor)."""
+    does not choose for it ((n_experts - n_used) of each 3-D expert tensor and each expert bias table)."""
     total = sum(t.n_elements for t in gguf.tensors.values())
     for e in getattr(cfg, "experts", ()):
         unused = (e.n_experts - e.n_used) / e.n_experts
-        total -= round(unused * sum(gguf.info(name).n_elements for name in (e.gate, e.up, e.down)))
+        per_expert = (e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias)
+        total -= round(unused * sum(gguf.info(name).n_elements for name in per_expert if name is not None))
     return total

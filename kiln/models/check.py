@@ -137,6 +137,8 @@ class ShapeCheck:
         self._need(q, attn.n_heads * attn.head_dim, f"layer {layer}'s queries")
         self._need(k, attn.n_kv_heads * attn.head_dim, f"layer {layer}'s keys")
         self._need(v, attn.n_kv_heads * attn.head_dim, f"layer {layer}'s values")
+        if attn.sinks is not None:
+            self._expect(attn.sinks, attn.n_heads)
         return Width(attn.n_heads * attn.head_dim)
 
     def glu(self, x, gate, up, act, gate_bias=None, up_bias=None):
@@ -179,6 +181,11 @@ class ShapeCheck:
         self._expect(e.gate, n, e.ff_dim, dim)
         self._expect(e.up, n, e.ff_dim, dim)
         self._expect(e.down, n, dim, e.ff_dim)
+        if e.router_bias is not None:
+            self._expect(e.router_bias, n)
+        for bias, width in ((e.gate_bias, e.ff_dim), (e.up_bias, e.ff_dim), (e.down_bias, dim)):
+            if bias is not None:
+                self._expect(bias, n, width)
         if e.shared_gate is not None:
             for name in (e.shared_gate, e.shared_up):
                 self._matrix(name, dim, e.shared_ff_dim)
