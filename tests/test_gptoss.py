@@ -14,17 +14,20 @@ from gguf import GGMLQuantizationType as QT
 
 from kiln import _native
 from kiln.engine.native import NativeEngine
-from kiln.engine.oracle import OracleEngine, route
+from kiln.engine.oracle import OracleEngine
 from kiln.errors import ModelFileError, UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.synth import SHAPES, write_random_gguf
 from tests.reference import Builder, hf_greedy, hf_logits, oracle, oracle_greedy, register_builder, rel_err
 from tests.test_dense import _LLAMA_NAMES, _common
+from tests.test_moe import router_logits
+from tests.test_moe import routes as moe_routes
 from tests.test_native import engines, kld
 
 SHAPE = "tiny-gpt-oss"
 A = "gpt-oss"
+NORM = "post_attention_norm"  # the block's norm before its experts
 
 
 def _hf_config(meta: dict) -> dict:
@@ -81,13 +84,7 @@ def prompt(n: int, seed: int = 5) -> list[int]:
 
 
 def routes(engine, ids, layer: int = 0) -> np.ndarray:
-    """The experts each row of a prefill of `ids` (from position 0) chooses in `layer`, by the oracle."""
-    engine.forward(ids, all_logits=True)
-    e = engine.config.experts[layer]
-    h = engine.last_hidden[2 * layer]  # the residual stream after layer's attention
-    w = engine.weight(f"blk.{layer}.post_attention_norm.weight")
-    x = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + engine.config.norm_eps) * w
-    return route(x @ engine.weight(e.router).T + engine.weight(e.router_bias), e)[0]
+    return moe_routes(engine, ids, layer, NORM)
 
 
 def test_the_file_reads_as_gpt_oss(tmp_path):
@@ -135,10 +132,7 @@ def near_ties(engine, n_rows: int, margin: float = 0.01) -> np.ndarray:
     k-th and the next router logit): int8 activations may flip it, and then half a row's mixture differs."""
     near = np.zeros(n_rows, bool)
     for layer, e in enumerate(engine.config.experts):
-        h = engine.last_hidden[2 * layer]
-        x = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + engine.config.norm_eps)
-        x = x * engine.weight(f"blk.{layer}.post_attention_norm.weight")
-        logits = np.sort(x @ engine.weight(e.router).T + engine.weight(e.router_bias), axis=-1)[:, ::-1]
+        logits = np.sort(router_logits(engine, layer, NORM), axis=-1)[:, ::-1]
         near |= logits[:, e.n_used - 1] - logits[:, e.n_used] < margin
     return near
 

@@ -20,8 +20,10 @@ from kiln.synth import SHAPES, write_random_gguf
 from tests.reference import rel_err
 
 MiB2 = 2 << 20
-# head dims 32 (GQA 2:1), 128 (q/k norm), 256 (sliding window, one KV head; Gemma 2's with soft-capped scores)
-SHAPES_Q8 = [("tiny-llama", {"head_dim": 32}), ("tiny-qwen3", {}), ("tiny-gemma3", {}), ("tiny-gemma2", {})]
+# head dims 32 (GQA 2:1; gpt-oss's with attention sinks), 128 (q/k norm), 256 (sliding window, one KV head;
+# Gemma 2's with soft-capped scores)
+SHAPES_Q8 = [("tiny-llama", {"head_dim": 32}), ("tiny-qwen3", {}), ("tiny-gemma3", {}), ("tiny-gemma2", {}),
+             ("tiny-gpt-oss", {"head_dim": 32})]
 
 
 def kld(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

@@ -86,14 +86,21 @@ def prompt(n: int, seed: int = 5) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(3, 500, n)]
 
 
-def routes(engine, ids, layer: int = 0) -> np.ndarray:
-    """The experts each row of a prefill of `ids` (from position 0) chooses in `layer`, by the oracle."""
+def routes(engine, ids, layer: int = 0, norm: str = "ffn_norm") -> np.ndarray:
+    """The experts each row of a prefill of `ids` (from position 0) chooses in `layer`, by the oracle; `norm`:
+    the block's norm before its experts."""
     engine.forward(ids, all_logits=True)
+    return route(router_logits(engine, layer, norm), engine.config.experts[layer])[0]
+
+
+def router_logits(engine, layer: int, norm: str = "ffn_norm") -> np.ndarray:
+    """Layer's router logits for each row of the engine's last prefill (its bias added, if it has one)."""
     e = engine.config.experts[layer]
     h = engine.last_hidden[2 * layer]  # the residual stream after layer's attention
-    w = engine.weight(f"blk.{layer}.ffn_norm.weight")
+    w = engine.weight(f"blk.{layer}.{norm}.weight")
     x = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + engine.config.norm_eps) * w
-    return route(x @ engine.weight(e.router).T, e)[0]
+    logits = x @ engine.weight(e.router).T
+    return logits if e.router_bias is None else logits + engine.weight(e.router_bias)
 
 
 @pytest.mark.slow
