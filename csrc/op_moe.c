@@ -2,9 +2,9 @@
  *
  *   route    (calling thread) router logits W_r·act (+ its bias) for every row, each row's top n_used
  *            experts and weights (moe_gating: a softmax over every expert, then the top n_used; or the
- *            top n_used logits, then a softmax over those alone); the rows' (row, expert) pairs are then grouped by expert (a counting
- *            sort, rows in order within an expert) and their activations gathered, one contiguous run
- *            of rows per expert
+ *            top n_used logits, then a softmax over those alone); the rows' (row, expert) pairs are then
+ *            grouped by expert (a counting sort, rows in order within an expert) and their activations
+ *            gathered, one contiguous run of rows per expert
  *   up       (pool) per chunk: one expert, whole activation groups of its gate and up rows, for every
  *            row that chose it: both projections (+ the expert's biases), the GLU (glu_act), and the
  *            result quantized for the down projection (precise pairs, as the dense down projection's input)
