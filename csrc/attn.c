@@ -1,11 +1,14 @@
-/* Attention over the fp16 KV cache, flash-attention style: keys and values are taken in tiles shared
- * by every query of a block (the heads of a GQA group times consecutive rows of one sequence in
- * prefill), with a running max and sum per query so a whole context's scores are never stored.
+/* Attention over the KV cache, flash-attention style: keys and values are taken in tiles shared by
+ * every query of a block (the heads of a GQA group times consecutive rows of one sequence in prefill),
+ * with a running max and sum per query so a whole context's scores are never stored. The tile loop and
+ * its softmax serve every cache type; a type supplies the scores and the weighted sum of values
+ * (kiln_kv_kernels: fp16 here, the quantized types in attn_quant.c).
  *
  * Keys are stored transposed in groups of 8 positions ([position/8][dim][8]), so 8 keys' values of one
  * dimension are one 16-byte load: scores are broadcast-FMAs with no horizontal sums and no staging.
  * Values are stored by position ([position][dim]) for the probability-weighted sum. */
 #include "attn.h"
+#include "attn_quant.h"
 
 #include <math.h>
 #include <string.h>
@@ -14,25 +17,20 @@
 #include "kernels.h"
 #include "vecmath.h"
 
-#define TILE 64 /* keys per tile, a multiple of KEY_GROUP */
+#define TILE ATTN_TILE
 
+/* The steps of the tile loop that depend on no cache type. */
 typedef struct {
-    /* s[r * TILE + j] = dot(q[r], key j) for r < nq, j < nk (nk a multiple of KEY_GROUP); kg points at
-     * the first key's group, v at the first key's values, next at the keys wanted after this tile (a
-     * kernel may prefetch them) */
-    void (*scores)(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v, const uint16_t *next,
-                   float *s);
-    /* o[r] += sum_j p[r * TILE + j] * v[j] for r < nq */
-    void (*accumulate)(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o);
     void (*exp_row)(float *x, int n, float shift); /* x[i] = exp(x[i] - shift) */
     void (*cap_row)(float *x, int n, float cap);   /* x[i] = cap * tanh(x[i] / cap) */
-} attn_kernels;
+} softmax_kernels;
 
 /* ---- portable reference ---- */
 
-static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v,
-                           const uint16_t *next, float *s) {
+static void scores_generic(const float *q, int nq, int hd, const uint8_t *kg_bytes, int nk, const uint8_t *v,
+                           const uint8_t *next, float *s) {
     (void)v, (void)next;
+    const uint16_t *kg = (const uint16_t *)kg_bytes;
     for (int r = 0; r < nq; r++)
         for (int j = 0; j < nk; j++) {
             float acc = 0.0f;
@@ -41,7 +39,8 @@ static void scores_generic(const float *q, int nq, int hd, const uint16_t *kg, i
         }
 }
 
-static void accumulate_generic(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o) {
+static void accumulate_generic(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
+    const uint16_t *v = (const uint16_t *)v_bytes;
     for (int j = 0; j < nk; j++)
         for (int d = 0; d < hd; d++) {
             float x = kiln_half_to_float(v[(size_t)j * hd + d]);
@@ -57,7 +56,8 @@ static void cap_generic(float *x, int n, float cap) {
     for (int i = 0; i < n; i++) x[i] = cap * tanhf(x[i] * (1.0f / cap));
 }
 
-static const attn_kernels GENERIC = {scores_generic, accumulate_generic, exp_generic, cap_generic};
+static const kiln_kv_kernels F16_GENERIC = {scores_generic, accumulate_generic};
+static const softmax_kernels SOFTMAX_GENERIC = {exp_generic, cap_generic};
 
 /* ---- AVX2 ---- */
 #if defined(KILN_X86)
@@ -87,8 +87,9 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void score
     for (int r = 0; r < nq; r++) _mm256_storeu_ps(s + r * TILE, a[r]), _mm256_storeu_ps(s + r * TILE + 8, b[r]);
 }
 
-AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint16_t *kg, int nk, const uint16_t *v,
-                             const uint16_t *next, float *s) {
+AVX2 static void scores_avx2(const float *q, int nq, int hd, const uint8_t *kg_bytes, int nk, const uint8_t *v_bytes,
+                             const uint8_t *next_bytes, float *s) {
+    const uint16_t *kg = (const uint16_t *)kg_bytes, *v = (const uint16_t *)v_bytes, *next = (const uint16_t *)next_bytes;
     const size_t group = (size_t)hd * KEY_GROUP;
     int j = 0;
     for (; j + 16 <= nk; j += 16) {
@@ -134,7 +135,8 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void accum
 }
 
 /* hd is a multiple of 16 on this path. */
-AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const uint16_t *v, int hd, float *o) {
+AVX2 static void accumulate_avx2(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
+    const uint16_t *v = (const uint16_t *)v_bytes;
     for (int d = 0; d < hd; d += 16) {
         int r = 0;
         for (; r + 4 <= nq; r += 4) accumulate_16(p + r * TILE, 4, nk, v + d, hd, o + r * hd + d);
@@ -173,15 +175,33 @@ AVX2 static void cap_avx2(float *x, int n, float cap) {
     }
 }
 
-static const attn_kernels AVX2_KERNELS = {scores_avx2, accumulate_avx2, exp_avx2, cap_avx2};
+static const kiln_kv_kernels F16_AVX2 = {scores_avx2, accumulate_avx2};
+static const softmax_kernels SOFTMAX_AVX2 = {exp_avx2, cap_avx2};
 #endif
 
-static const attn_kernels *kernels_for(int hd) {
+/* The vector kernels take 16 dimensions at a time (a quantized cache's 32 always are). */
+static int vector_path(int hd) {
 #if defined(KILN_X86)
-    if (kiln_active_isa() >= ISA_AVX2 && hd % 16 == 0) return &AVX2_KERNELS;
-#endif
+    return kiln_active_isa() >= ISA_AVX2 && hd % 16 == 0;
+#else
     (void)hd;
-    return &GENERIC;
+    return 0;
+#endif
+}
+
+static const kiln_kv_kernels *kv_kernels_for(int kv_type, int hd) {
+    if (kv_type != KV_F16) return kiln_kv_quant_kernels(kv_type);
+#if defined(KILN_X86)
+    if (vector_path(hd)) return &F16_AVX2;
+#endif
+    return &F16_GENERIC;
+}
+
+static const softmax_kernels *softmax_for(int hd) {
+#if defined(KILN_X86)
+    if (vector_path(hd)) return &SOFTMAX_AVX2;
+#endif
+    return &SOFTMAX_GENERIC;
 }
 
 void kiln_softcap(float *x, int n, float cap) {
@@ -212,10 +232,35 @@ void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
 
 size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd); }
 
-void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride, const uint16_t *K, const uint16_t *V,
-                      int first, int pos0, int window, int key_lo, int key_hi, float scale, float softcap,
-                      const uint16_t *next_k, float *scratch, float *o, float *m, float *l) {
-    const attn_kernels *k = kernels_for(hd);
+/* One tile's scores of query r, visible in [a, b) of its nk, into probabilities against the running max
+ * m and sum l, rescaling the query's output so far: the online softmax, for every cache type. */
+static void softmax_tile(const softmax_kernels *k, float *sr, int nk, int a, int b, float softcap, float *m, float *l,
+                         float *o, int hd) {
+    if (b <= a) {
+        memset(sr, 0, sizeof(float) * nk);
+        return;
+    }
+    memset(sr, 0, sizeof(float) * a);
+    memset(sr + b, 0, sizeof(float) * (nk - b));
+    if (softcap > 0.0f) k->cap_row(sr + a, b - a, softcap);
+    float mx = *m;
+    for (int j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
+    float corr = *m == -INFINITY ? 0.0f : expf(*m - mx);
+    k->exp_row(sr + a, b - a, mx);
+    float sum = 0.0f;
+    for (int j = a; j < b; j++) sum += sr[j];
+    *l = *l * corr + sum;
+    *m = mx;
+    if (corr != 1.0f)
+        for (int d = 0; d < hd; d++) o[d] *= corr;
+}
+
+void kiln_attend_part(int kv_type, const float *q, int rows, int group, int hd, int q_stride, const uint8_t *K,
+                      const uint8_t *V, int first, int pos0, int window, int key_lo, int key_hi, float scale,
+                      float softcap, const uint8_t *next_k, float *scratch, float *o, float *m, float *l) {
+    const kiln_kv_kernels *kv = kv_kernels_for(kv_type, hd);
+    const softmax_kernels *sm = softmax_for(hd);
+    const size_t gb = kiln_kv_key_group_bytes(kv_type, hd), rb = kiln_kv_value_row_bytes(kv_type, hd);
     int nq = rows * group, last = pos0 + rows - 1 < key_hi - 1 ? pos0 + rows - 1 : key_hi - 1;
     if (first < key_lo) first = key_lo;
     /* scratch: scores, scaled queries */
@@ -230,35 +275,18 @@ void kiln_attend_part(const float *q, int rows, int group, int hd, int q_stride,
     for (int j0 = first - first % KEY_GROUP; j0 <= last; j0 += TILE) {
         int nk = last - j0 + 1 < TILE ? last - j0 + 1 : TILE;
         int nk_groups = (nk + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
-        const uint16_t *kg = K + (size_t)(j0 / KEY_GROUP) * hd * KEY_GROUP, *after = kg + (size_t)TILE * hd;
-        k->scores(qs, nq, hd, kg, nk_groups, V + (size_t)j0 * hd, j0 + TILE <= last || !next_k ? after : next_k, s);
+        const uint8_t *kg = K + (size_t)(j0 / KEY_GROUP) * gb, *after = kg + (size_t)(TILE / KEY_GROUP) * gb;
+        kv->scores(qs, nq, hd, kg, nk_groups, V + (size_t)j0 * rb, j0 + TILE <= last || !next_k ? after : next_k, s);
         for (int i = 0; i < rows; i++) {
             int pos = pos0 + i, lo = window > 0 && pos - window + 1 > first ? pos - window + 1 : first;
             int hi = pos < last ? pos : last;
             int a = lo - j0 > 0 ? lo - j0 : 0, b = hi - j0 + 1 < nk ? hi - j0 + 1 : nk; /* visible [a, b) */
             for (int g = 0; g < group; g++) {
                 int r = i * group + g;
-                float *sr = s + (size_t)r * TILE;
-                if (b <= a) {
-                    memset(sr, 0, sizeof(float) * nk);
-                    continue;
-                }
-                memset(sr, 0, sizeof(float) * a);
-                memset(sr + b, 0, sizeof(float) * (nk - b));
-                if (softcap > 0.0f) k->cap_row(sr + a, b - a, softcap);
-                float mx = m[r];
-                for (int j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
-                float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                k->exp_row(sr + a, b - a, mx);
-                float sum = 0.0f;
-                for (int j = a; j < b; j++) sum += sr[j];
-                l[r] = l[r] * corr + sum;
-                m[r] = mx;
-                if (corr != 1.0f)
-                    for (int d = 0; d < hd; d++) o[(size_t)r * hd + d] *= corr;
+                softmax_tile(sm, s + (size_t)r * TILE, nk, a, b, softcap, m + r, l + r, o + (size_t)r * hd, hd);
             }
         }
-        k->accumulate(s, nq, nk, V + (size_t)j0 * hd, hd, o);
+        kv->accumulate(s, nq, nk, V + (size_t)j0 * rb, hd, o);
     }
 }
 

@@ -30,8 +30,8 @@ static uint8_t *head_at(const kiln_plan *p, const kiln_op *op, uint16_t *cache, 
 static void store_kv(const kiln_plan *p, const kiln_op *op, int t, int head, int which, const float *row) {
     int slot = p->slots[t], pos = p->positions[t], hd = op->head_dim;
     uint8_t *at = head_at(p, op, which == 1 ? op->k_cache : op->v_cache, slot, head);
-    if (op->kv_type == KV_Q8_0)
-        which == 1 ? kiln_store_key_q8(row, at, pos, hd) : kiln_store_value_q8(row, at, pos, hd);
+    if (op->kv_type != KV_F16)
+        which == 1 ? kiln_store_key_quant(op->kv_type, row, at, pos, hd) : kiln_store_value_quant(op->kv_type, row, at, pos, hd);
     else if (which == 1)
         kiln_store_key(row, (uint16_t *)at, pos, hd);
     else
@@ -311,14 +311,8 @@ static void attn_compute(void *ctx, int c, int thread) {
     const uint8_t *K = head_at(p, op, op->k_cache, p->slots[a.t0], a.g), *V = head_at(p, op, op->v_cache, p->slots[a.t0], a.g);
     float *o = scratch(j, thread), *m = o + (size_t)nq * hd, *l = m + nq, *work = l + nq;
     const float *q = op->q + (size_t)a.t0 * q_dim + (size_t)a.g * group * hd;
-    if (op->kv_type == KV_Q8_0) {
-        kiln_attend_part_q8(q, a.rows, group, hd, q_dim, K, V, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
-                            op->scale, op->softcap, chunk_first_keys(p, op, c + 1), work, o, m, l);
-        return;
-    }
-    kiln_attend_part(q, a.rows, group, hd, q_dim, (const uint16_t *)K, (const uint16_t *)V, a.first, a.pos0,
-                     op->window, a.key_lo, a.key_hi, op->scale, op->softcap,
-                     (const uint16_t *)chunk_first_keys(p, op, c + 1), work, o, m, l);
+    kiln_attend_part(op->kv_type, q, a.rows, group, hd, q_dim, K, V, a.first, a.pos0, op->window, a.key_lo, a.key_hi,
+                     op->scale, op->softcap, chunk_first_keys(p, op, c + 1), work, o, m, l);
 }
 
 static void attn_commit(void *ctx, int c, int thread) {

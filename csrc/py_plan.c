@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "attn.h"
+#include "attn_quant.h"
 #include "bindings.h"
 #include "checksum.h"
 #include "dequant.h"
@@ -637,6 +638,29 @@ static PyObject *py_store_half(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* kv_cache_types() -> the KV cache types' names, in the order of KV_* (kiln_op.kv_type) */
+static PyObject *py_kv_cache_types(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    PyObject *names = PyTuple_New(KV_COUNT);
+    for (int t = 0; names && t < KV_COUNT; t++) {
+        PyObject *name = PyUnicode_FromString(KV_NAMES[t]);
+        if (!name) Py_CLEAR(names);
+        else PyTuple_SET_ITEM(names, t, name);
+    }
+    return names;
+}
+
+/* kv_row_bytes(kv_type, head_dim) -> bytes one position of one KV head's keys (or values) takes */
+static PyObject *py_kv_row_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    int t, hd;
+    if (!PyArg_ParseTuple(args, "ii", &t, &hd)) return NULL;
+    if (t < 0 || t >= KV_COUNT) return PyErr_Format(PyExc_ValueError, "KV cache type %d", t);
+    if (hd < 1 || (t != KV_F16 && hd % KV_BLOCK))
+        return PyErr_Format(PyExc_ValueError, "a %s KV cache has no head dim %d", KV_NAMES[t], hd);
+    return PyLong_FromSize_t(kiln_kv_value_row_bytes(t, hd));
+}
+
 static PyObject *py_qkv_chunks(PyObject *self, PyObject *args) {
     (void)self;
     int heads, per;
@@ -695,6 +719,8 @@ PyMethodDef plan_module_methods[] = {
     {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
     {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml_type, src, n) -> float32 bytes"},
+    {"kv_cache_types", py_kv_cache_types, METH_NOARGS, "kv_cache_types() -> KV cache type names, by KV_* value"},
+    {"kv_row_bytes", py_kv_row_bytes, METH_VARARGS, "kv_row_bytes(kv_type, head_dim) -> bytes a KV head's position takes"},
     {"store_half", py_store_half, METH_VARARGS, "store_half(float32 bytes) -> fp16 bytes (KV cache rounding)"},
     {"op_layout", py_op_layout, METH_NOARGS, "op_layout() -> ({field: (offset, type)}, sizeof(kiln_op))"},
     {"checksum", py_checksum, METH_VARARGS, "checksum(buffer) -> the repack cache's checksum (hex)"},

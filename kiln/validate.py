@@ -249,7 +249,7 @@ def process_rss_bytes() -> int | None:
 
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int, n_slots: int = 1,
                    kv_type: str = "f16") -> int:
-    """The engine's KV cache: keys and values (fp16, or q8_0's 34 bytes a block of 32) per layer, slot,
+    """The engine's KV cache: keys and values (fp16, or q8_0's 34 or q4_0's 18 bytes a block of 32) per layer, slot,
     position and KV head, positions in whole groups of 8, in whole huge pages."""
     from kiln.engine.kv import kv_head_bytes
 
@@ -365,7 +365,7 @@ def check_memory(facts: dict, model: str | None, n_ctx: int | None, n_slots: int
               + ("fits" if fits else "DOES NOT FIT"))
     method = ("packed sizes of every matrix the graph multiplies (kiln's pack_size, placed as the engine places "
               "them), KV = 2 x attention layers x slots x context (rounded up to 8) x kv heads x head dim x 2 bytes "
-              "(fp16) or 34/32 bytes (q8_0), recurrent state = fp32 x slots x (a step's rows + taps - 1) x the "
+              "(fp16), 34/32 bytes (q8_0) or 18/32 bytes (q4_0), recurrent state = fp32 x slots x (a step's rows + taps - 1) x the "
               "convolution layers' widths, plan "
               "arenas an upper bound from the shapes, this process's VmRSS; against MemAvailable. The GGUF file itself "
               f"({fp['gguf_bytes'] / MiB:.0f} MiB) is memory-mapped: page cache, reclaimable, not counted")

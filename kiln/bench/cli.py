@@ -39,7 +39,7 @@ def perf_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch", type=_ints, default=[1], help="sequences decoding together, e.g. 1,8")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", choices=["md", "json", "csv"], default="md")
-    p.add_argument("--kv-cache", help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
+    p.add_argument("--kv-cache", help="KV cache type: f16, q8_0 or q4_0 (env KILN_KV_CACHE_TYPE; default f16)")
     p.add_argument("--tokens", choices=["random", "greedy"], default="random",
                    help="what the tg test feeds: random ids (llama-bench) or each sequence's greedy continuation")
     return p

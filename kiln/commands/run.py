@@ -51,7 +51,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", "--num-predict", type=int,
                    help="most tokens to generate (default, or negative: until the context is full)")
     g.add_argument("-c", "--ctx-len", type=int, help="context length (default min(model's, 4096))")
-    g.add_argument("--kv-cache", help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
+    g.add_argument("--kv-cache", help="KV cache type: f16, q8_0 or q4_0 (env KILN_KV_CACHE_TYPE; default f16)")
     g.add_argument("-t", "--threads", type=int, help="native threads (default: physical cores)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "oracle"], help="compute backend")
 

@@ -41,7 +41,7 @@ def register(sub) -> None:
                    help="context length of each slot, and the most a request's num_ctx may ask for "
                         "(env KILN_CONTEXT_LENGTH; default: min(model's, 4096), and up to the model's own)")
     p.add_argument("--kv-cache",
-                   help="KV cache type: f16 or q8_0 (env KILN_KV_CACHE_TYPE; default f16)")
+                   help="KV cache type: f16, q8_0 or q4_0 (env KILN_KV_CACHE_TYPE; default f16)")
     p.add_argument("--max-queue", type=int, default=env("KILN_MAX_QUEUE", "64"),
                    help="requests that may wait for a slot; more get 503 (env KILN_MAX_QUEUE; default 64)")
     p.add_argument("--keep-alive", default=env("KILN_KEEP_ALIVE", "5m"),

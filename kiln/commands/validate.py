@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--model", help="tag or .gguf path to check for fit (not loaded; read from its GGUF)")
     p.add_argument("-c", "--ctx", type=int, help="context length for the fit check (default min(model's, 4096))")
     p.add_argument("--slots", type=int, default=1, help="KV slots (parallel sequences) for the fit check")
-    p.add_argument("--kv-cache", help="KV cache type for the fit check: f16 or q8_0 (env KILN_KV_CACHE_TYPE; "
+    p.add_argument("--kv-cache", help="KV cache type for the fit check: f16, q8_0 or q4_0 (env KILN_KV_CACHE_TYPE; "
                                       "default f16)")
     p.add_argument("-t", "--threads", type=int, help="threads for the self-tests (default: physical cores)")
     p.add_argument("--quick", action="store_true", help="smaller buffers and fewer repetitions")

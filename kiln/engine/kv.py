@@ -9,7 +9,13 @@ import numpy as np
 from kiln.errors import ContextLengthError, KilnError
 from kiln.models.base import ModelConfig, ShortConv
 
-KV_CACHE_TYPES = ("f16", "q8_0")  # in the order of C's KV_* (csrc/attn_quant.h)
+try:
+    from kiln import _native
+except ImportError:  # the extension did not build: the oracle runs on an fp16 cache only
+    _native = None
+
+# The types, in the order of kiln_op.kv_type, and their layouts are the native core's (csrc/attn_quant.h).
+KV_CACHE_TYPES = _native.kv_cache_types() if _native else ("f16",)
 KV_BLOCK = 32  # values per block of a quantized cache's head row
 
 
@@ -32,23 +38,42 @@ def check_kv_cache_type(kv_type: str, head_dim: int) -> None:
 
 
 def kv_head_bytes(kv_type: str, n_ctx: int, head_dim: int) -> int:
-    """Bytes of one KV head's keys (or values) over n_ctx positions: fp16, or q8_0's 34 bytes a block
-    of 32 (csrc/attn_quant.c lays them out)."""
-    if kv_type == "q8_0":
-        return n_ctx * (head_dim // KV_BLOCK) * (2 + KV_BLOCK)
-    return n_ctx * head_dim * 2
+    """Bytes of one KV head's keys (or values) over n_ctx positions: fp16, or a quantized type's blocks
+    of 32 (q8_0 34 bytes, q4_0 18; csrc/attn_quant.c lays them out)."""
+    if _native is None:
+        return n_ctx * head_dim * 2
+    return n_ctx * _native.kv_row_bytes(KV_CACHE_TYPES.index(kv_type), head_dim)
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float32)
+    return x.reshape(*x.shape[:-1], -1, KV_BLOCK)
 
 
 def round_q8_0(x: np.ndarray) -> np.ndarray:
     """x (..., width) as a q8_0 cache holds it: per block of 32, d = amax / 127 stored as fp16 and
     q = roundf(x / d) (ggml's quantize_row_q8_0_ref, which the native store follows), read back as d * q."""
-    x = np.asarray(x, np.float32)
-    blocks = x.reshape(*x.shape[:-1], -1, KV_BLOCK)
+    blocks = _blocks(x)
     d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     v = (blocks * inv).astype(np.float64)  # exact: roundf's half away from zero, not numpy's half to even
     q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.float32)
-    return (d.astype(np.float16).astype(np.float32) * q).reshape(x.shape)
+    return (d.astype(np.float16).astype(np.float32) * q).reshape(np.shape(x))
+
+
+def round_q4_0(x: np.ndarray) -> np.ndarray:
+    """x (..., width) as a q4_0 cache holds it: per block of 32, d = max / -8 (max the value of largest
+    magnitude, the first of equals) stored as fp16 and q = min(15, trunc(x / d + 8.5)) (ggml's
+    quantize_row_q4_0_ref, which the native store follows), read back as d * (q - 8)."""
+    blocks = _blocks(x)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)
+    d = peak / np.float32(-8)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(np.trunc(blocks * inv + np.float32(8.5)), 15) - 8
+    return (d.astype(np.float16).astype(np.float32) * q).reshape(np.shape(x))
+
+
+ROUNDING = {"q8_0": round_q8_0, "q4_0": round_q4_0}  # how each quantized type rounds a stored row
 
 
 def check_span(start: int, count: int, n_ctx: int) -> None:
@@ -73,12 +98,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_ctx: int, n_kv_heads: int, head_dim: int, dtype=np.float32,
                  kv_type: str | None = None):
-        """`kv_type` q8_0 stores every head row as the native q8_0 cache rounds it (in float32)."""
+        """A quantized `kv_type` (q8_0, q4_0) stores every head row as the native cache of that type rounds
+        it (in float32)."""
         shape = (n_slots, n_ctx, n_kv_heads * head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.head_dim = head_dim
-        self.rounding = round_q8_0 if kv_type == "q8_0" else None
+        self.rounding = ROUNDING.get(kv_type)
 
     def write(self, layer: int, slot: int, start: int, k: np.ndarray, v: np.ndarray, n_kv_heads: int):
         """Store k, v (tokens, kv_dim) at `start`; return this slot's whole cache as (ctx, kv_heads, head_dim)."""

@@ -202,8 +202,8 @@ class OracleEngine:
     def __init__(self, gguf: GGUFFile, family: Family, n_ctx: int, n_slots: int = 1, kv_dtype=np.float32,
                  kv_type: str | None = None):
         """`kv_dtype=np.float16` stores the cache the way the native engine does, so tests can hold the
-        native plan to float32 tolerances on float weights; `kv_type="q8_0"` rounds it as the native q8_0
-        cache does."""
+        native plan to float32 tolerances on float weights; a quantized `kv_type` (q8_0, q4_0) rounds it as
+        the native cache does."""
         self.gguf, self.config, self.forward_fn = gguf, family.config, family.forward
         self.n_ctx, self.n_slots = n_ctx, n_slots
         cfg = self.config
