@@ -30,6 +30,10 @@ GEMMA_TEMPLATE = (
 # Phi-4-mini's end-of-text and turn markers, after its ordinary tokens as in its own vocabulary (llama.cpp
 # finds <|end|> and <|endoftext|> by their text), and its template
 PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 # gpt-oss's chat format (harmony), small and written the way gpt-oss's shipped template works: a system message
 # with `Reasoning: <effort>`, the instructions and tools in a developer message, earlier calls as
 # `assistant to=functions.NAME` messages after the turn's `thinking`, tool results from
@@ -68,10 +72,6 @@ HARMONY_TEMPLATE = (
 # harmony's control tokens, as gpt-oss's vocabulary has them; <|return|> ends an answer, <|call|> a call
 HARMONY_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                     "<|return|>", "<|call|>"]
-PHI3_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,8 @@ SHAPES = {
                         expert_ffn_dim=32),
     "tiny-granitemoe": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
                              expert_ffn_dim=64),
+    "tiny-granitemoe-shared": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
+                                    expert_ffn_dim=64, shared_ffn_dim=32),
     # gpt-oss: biased attention with sinks, local on even layers (a window shorter than the tests' prompts),
     # YaRN as gpt-oss-20b sets it (a factor of 32, the context 32 times the original) at a tiny scale, experts
     # with biases
@@ -167,8 +169,6 @@ SHAPES = {
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, context_length=131072, tied=False,
                          sliding_window=128, biases=_GPT_OSS_BIASES, n_experts=32, n_experts_used=4,
                          expert_ffn_dim=2880, expert_qtype=QT.MXFP4, metadata=_GPT_OSS_YARN),
-    "tiny-granitemoe-shared": Shape("granitemoe", 64, 2, 4, 2, 16, 64, 512, n_experts=8, n_experts_used=2,
-                                    expert_ffn_dim=64, shared_ffn_dim=32),
 }
 
 

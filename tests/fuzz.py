@@ -41,6 +41,7 @@ SEEDS = {
     "qwen2moe": dict(shape="tiny-qwen2moe", qtype="Q4_0", vocab_size=320),
     "olmoe": dict(shape="tiny-olmoe", qtype="Q8_0", vocab_size=320),
     "granitemoe": dict(shape="tiny-granitemoe", qtype="Q4_0", vocab_size=320),
+    "gpt-oss": dict(shape="tiny-gpt-oss", qtype="Q8_0", vocab_size=320),
 }
 
 

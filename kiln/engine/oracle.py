@@ -35,8 +35,8 @@ def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-SWIGLU_OAI_ALPHA * g)))
 
 
-# a GLU by its activation's name: act(gate) * up, or gpt-oss's whole clamped form
-GLUS = {"silu": lambda g, u: silu(g) * u, "gelu_tanh": lambda g, u: gelu_tanh(g) * u, "swiglu_oai": swiglu_oai}
+# an expert's GLU by its activation's name (Experts.act): silu(gate) * up, or gpt-oss's whole clamped form
+GLUS = {"silu": lambda g, u: silu(g) * u, "swiglu_oai": swiglu_oai}
 
 
 def rope_angles(rope: Rope, positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
