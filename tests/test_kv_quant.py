@@ -95,8 +95,13 @@ def test_quantized_cache_over_several_parts_matches_the_oracle(kv, tmp_path, isa
 KLD_BOUNDS = {"q8_0": (2e-4, 2e-3), "q4_0": (5e-3, 2e-2)}
 
 
+# A tiny random mixture of experts routes many rows on near ties, which the cache's rounding flips (a
+# discrete choice, not the cache's error): gpt-oss's sinks are held against the oracle that rounds alike.
+DENSE_SHAPES_Q = [(shape, options) for shape, options in SHAPES_Q if shape != "tiny-gpt-oss"]
+
+
 @pytest.mark.parametrize("kv", QUANT)
-@pytest.mark.parametrize("shape,options", SHAPES_Q)
+@pytest.mark.parametrize("shape,options", DENSE_SHAPES_Q)
 def test_quantized_cache_against_the_fp16_cache(shape, options, kv, tmp_path):
     gguf = model(tmp_path, shape, **options)
     fam = family_for(gguf)
