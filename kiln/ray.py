@@ -2,12 +2,15 @@
 
 Each replica (`KilnReplica`) runs kiln's own app (server/app.py: its Runtime, scheduler and one model set)
 and answers requests handed to it as ASGI calls, so the APIs, streaming, errors and /metrics are the
-single-machine server's. The ingress (`KilnIngress`, behind Ray Serve's HTTP proxy) forwards each request
-to a replica chosen by `PrefixAffinityRouter` and streams the response back; it answers /health (replicas
-ready) and /metrics (every replica's, labelled, plus the router's decisions) itself.
+single-machine server's. The ingress (`KilnIngress`) forwards each request to a replica chosen by
+`PrefixAffinityRouter` and streams the response back; it answers /health (replicas ready) and /metrics
+(every replica's, labelled, plus the router's decisions) itself.
 
-`kiln serve --ray [ADDRESS]` builds the application from its flags; `serve run kiln.ray:app model=TAG
-replicas=2 ...` builds it from `key=value` arguments (the fields of `RayOptions`).
+`kiln serve --ray [ADDRESS]` deploys the replicas (`build_replicas`) and runs the ingress's code in its own
+process as an HTTP server (`KilnFront`): one Ray hop per request and per chunk. `serve run kiln.ray:app
+model=TAG replicas=2 ...` (and `kiln serve --ray --ray-proxy`) deploys the ingress as a replica behind Ray
+Serve's HTTP proxy (`build`), for clusters where Ray's proxies answer HTTP; the arguments are `RayOptions`'
+fields.
 """
 
 from __future__ import annotations
@@ -168,10 +171,11 @@ class KilnReplica:
 
     async def __init__(self, options: dict):
         from kiln.server.app import create_app
-        from kiln.server.runtime import Settings
+        from kiln.server.runtime import Settings, favour_engine_thread
         from kiln.store import Store
 
         o = RayOptions(**options)
+        favour_engine_thread()  # beside Ray's own threads as beside the server's event loop
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         store = Store(o.store) if o.store else Store()
@@ -225,9 +229,15 @@ class KilnReplica:
                     headers = [*message.get("headers", []), (b"x-kiln-replica", self.replica_id.encode())]
                     yield message["status"], headers
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body"):
+                    chunks, more = [message.get("body", b"")], message.get("more_body", False)
+                    # what the app sent meanwhile crosses to the ingress as one message (each of Ray's costs)
+                    while more and not messages.empty():  # after the start, ASGI sends only body messages
+                        message = messages.get_nowait()
+                        chunks.append(message.get("body", b""))
+                        more = message.get("more_body", False)
+                    if any(chunks):
+                        yield b"".join(chunks)
+                    if not more:
                         return
         finally:
             gone.set()
@@ -395,9 +405,32 @@ def merge_metrics(texts: dict[str, str]) -> str:
     return "".join(line + "\n" for lines in families.values() for line in lines)
 
 
+class KilnFront:
+    """`kiln serve --ray`'s HTTP server, an ASGI app in kiln's own process: the ingress's code, calling the
+    replicas' deployment handle directly. Ray's HTTP proxy and the ingress replica are two hops and two
+    serializations of every chunk; this is one."""
+
+    def __init__(self, replicas, options: dict):
+        self.ingress = KilnIngress(replicas, options)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # kiln's APIs are HTTP only; uvicorn refuses the rest
+            return
+        response = await self.ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+
 # --- the application ----------------------------------------------------------------------------------------
 def build(options: RayOptions):
-    """The Ray Serve application: the ingress bound to the replicas' deployment."""
+    """The Ray Serve application behind Ray's HTTP proxy: the ingress bound to the replicas' deployment."""
+    config = asdict(options)
+    ingress = serve.deployment(KilnIngress, name="KilnIngress", num_replicas=1, max_ongoing_requests=1024,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(build_replicas(options), config)
+
+
+def build_replicas(options: RayOptions):
+    """The replicas' deployment, bound: the application KilnFront calls (or the ingress, in `build`)."""
     options.check()
     config = asdict(options)
     scaling: dict = {"num_replicas": options.replicas}
@@ -405,7 +438,7 @@ def build(options: RayOptions):
         scaling = {"autoscaling_config": {"min_replicas": options.min_replicas if options.min_replicas is not None else 1,
                                           "max_replicas": options.max_replicas,
                                           "target_ongoing_requests": options.target_ongoing}}
-    replicas = serve.deployment(
+    return serve.deployment(
         KilnReplica, name="KilnReplica", **scaling,
         max_ongoing_requests=options.parallel,  # one request per slot; more wait in the router for a free one
         ray_actor_options={"num_cpus": options.threads or 1},
@@ -416,9 +449,6 @@ def build(options: RayOptions):
                                "request_routing_stats_period_s": STATS_PERIOD_S,
                                "request_routing_stats_timeout_s": 10},
     ).bind(config)
-    ingress = serve.deployment(KilnIngress, name="KilnIngress", num_replicas=1, max_ongoing_requests=1024,
-                               ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replicas, config)
 
 
 def app(args: dict):

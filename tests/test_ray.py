@@ -60,7 +60,7 @@ def _ready(url: str, replicas: int, timeout: float = 120.0) -> dict:
 
 @pytest.fixture(scope="module")
 def servers(model):
-    """`kiln serve` while `kiln serve --ray` starts, then `kiln serve --ray --no-affinity`: two Ray instances
+    """`kiln serve` while `kiln serve --ray` starts, then `kiln serve --ray --no-affinity --ray-proxy`: two Ray instances
     starting at once on a busy 2-core machine can miss Ray's own 30 s deadline for a node to come up."""
     home, path = model
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
@@ -71,7 +71,8 @@ def servers(model):
                 stack.callback(future.result()[1])
         running = {name: future.result()[0] for name, future in futures.items()}
         _ready(running["ray"].url, 2)
-        running["baseline"] = stack.enter_context(_ray_server(model, "--no-affinity"))
+        # the baseline also runs the other topology: Ray's HTTP proxy and the ingress replica (serve run's)
+        running["baseline"] = stack.enter_context(_ray_server(model, "--no-affinity", "--ray-proxy"))
         _ready(running["baseline"].url, 2)
         yield running
 
@@ -199,8 +200,9 @@ def test_without_affinity_prompts_scatter(servers, model):
     assert on_holder < 0.8  # least loaded alone: each request goes to whichever replica is idle
 
 
-def test_a_replica_killed_mid_stream(servers, model):
-    ray = servers["baseline"]
+@pytest.mark.parametrize("topology", ["ray", "baseline"])
+def test_a_replica_killed_mid_stream(servers, model, topology):
+    ray = servers[topology]
     health = _ready(ray.url, 2)
     oai, _ = _clients(ray.url)
     pids = {r["id"]: r["pid"] for r in health["replicas"]}

@@ -11,6 +11,9 @@ from kiln.commands.run import add_draft_args, spec_from_args
 
 DEFAULT_PORT = 11500
 GRACE_S = 2  # seconds running requests get to finish once the server is told to stop
+# A local Ray instance's Serve controller and replicas wake less often (their defaults: every 100 ms): on a
+# machine whose cores run the replicas, their idle work is taken from decoding (docs/PERF.md).
+QUIET_LOCAL_RAY = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
 def register(sub) -> None:
@@ -72,6 +75,9 @@ def register(sub) -> None:
                      help="replicas do not pull a model their store lacks from the catalog")
     ray.add_argument("--no-affinity", dest="affinity", action="store_false",
                      help="route to the least loaded replica only, not to the one holding the prompt's prefix")
+    ray.add_argument("--ray-proxy", action="store_true",
+                     help="answer HTTP through Ray Serve's proxy and an ingress replica (the `serve run kiln.ray:app` "
+                          "application) instead of in this process: one hop more per request and per chunk")
     p.set_defaults(func=cmd_serve)
 
 
@@ -81,7 +87,7 @@ def cmd_serve(args) -> int:
     from kiln.engine.kv import kv_cache_type
     from kiln.errors import KilnError
     from kiln.server.app import create_app
-    from kiln.server.runtime import Settings, parse_keep_alive
+    from kiln.server.runtime import Settings, favour_engine_thread, parse_keep_alive
     from kiln.store import Store
 
     for name in ("parallel", "max_queue", "port", "max_loaded"):
@@ -123,9 +129,7 @@ def cmd_serve(args) -> int:
     # On SIGTERM, requests still running after the grace period are cancelled, so the server always stops.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=GRACE_S))
-    # The engine thread needs the GIL for a moment between native steps; with the default 5 ms switch
-    # interval it can wait that long behind the event loop, a large share of a ~8 ms token.
-    sys.setswitchinterval(0.0005)
+    favour_engine_thread()
     print(f"kiln serving on http://{args.host}:{args.port} (OpenAI: /v1, Anthropic: /v1/messages, Ollama: /api, docs: /docs)", file=sys.stderr)
     server.run()
     if failures:
@@ -139,7 +143,8 @@ def unused_flags(args) -> list[str]:
     if args.ray is None:
         given = {"--replicas": args.replicas != 1, "--min-replicas": args.min_replicas is not None,
                  "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing != 2.0,
-                 "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity}
+                 "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity,
+                 "--ray-proxy": args.ray_proxy}
     else:
         given = {"--max-memory": args.max_memory is not None, "--draft": args.draft is not None,
                  "--draft-model": args.draft_model is not None, "--draft-max": args.draft_max is not None,
@@ -150,13 +155,14 @@ def unused_flags(args) -> list[str]:
 def serve_on_ray(args) -> int:
     """`kiln serve MODEL --ray [ADDRESS]`: the Ray Serve application, until SIGINT or SIGTERM."""
     import signal
-    import threading
+    from dataclasses import asdict
 
     import ray
+    import uvicorn
     from ray import serve
 
     from kiln.errors import KilnError
-    from kiln.ray import RayOptions, build
+    from kiln.ray import KilnFront, RayOptions, build, build_replicas
 
     address = None if args.ray == "local" else args.ray
     if address is not None and address != "auto" and ":" not in address:
@@ -176,17 +182,31 @@ def serve_on_ray(args) -> int:
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     # a new local instance listens where the server does: only on loopback unless --host says otherwise
     local = {"_node_ip_address": "127.0.0.1"} if address is None and loopback else {}
+    if address is None:
+        local["_system_config"] = {"enable_metrics_collection": False}  # no dashboard reads Ray's own metrics
+        for name, value in QUIET_LOCAL_RAY.items():  # read by the processes ray.init starts
+            os.environ.setdefault(name, value)
     ray.init(address=address, include_dashboard=False, logging_level=args.log_level.upper(),
              log_to_driver=args.log_level == "debug", **local)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as SIGINT does, cleaned up below
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build(options), name="kiln", route_prefix="/")
+        if args.ray_proxy:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(build(options), name="kiln", route_prefix="/")
+        else:  # no Ray HTTP proxy: this process answers HTTP and calls the replicas (kiln.ray.KilnFront)
+            serve.start(proxy_location="Disabled")
+            replicas = serve.run(build_replicas(options), name="kiln", route_prefix=None)
+            server = uvicorn.Server(uvicorn.Config(KilnFront(replicas, asdict(options)), host=args.host,
+                                                   port=args.port, log_level=args.log_level, lifespan="off",
+                                                   timeout_graceful_shutdown=GRACE_S))
         print(f"kiln serving {options.model} from Ray on http://{args.host}:{args.port} (OpenAI: /v1, "
               "Anthropic: /v1/messages, Ollama: /api)", file=sys.stderr)
-        stop.wait()
+        if args.ray_proxy:
+            while True:
+                signal.pause()  # until SIGINT or SIGTERM
+        server.run()  # until SIGINT or SIGTERM, which uvicorn takes over while it runs
+    except KeyboardInterrupt:
+        pass
     finally:
         if address is not None:  # a cluster kiln did not start keeps running, without kiln's application
             serve.delete("kiln")

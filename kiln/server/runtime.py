@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,6 +37,12 @@ log = logging.getLogger("kiln.server")
 
 DEFAULT = "default"  # a keep_alive that means the server's --keep-alive
 SWAP_WAIT_S = 300.0  # the longest a request waits for other requests to finish before its model can load
+
+
+def favour_engine_thread() -> None:
+    """The engine thread needs the GIL for a moment between native steps; with Python's default 5 ms switch
+    interval it can wait that long behind the event loop (or a host's own threads), a large share of a token."""
+    sys.setswitchinterval(0.0005)
 
 
 @dataclass
