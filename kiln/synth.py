@@ -348,7 +348,7 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
             family.layer(p, i, shape, matrix, norm)
             continue
         norm(p + "attn_norm.weight", shape.dim)
-        _qkv(w, shape, rng, p, qtype)
+        _qkv(w, shape, rng, p, qtype, matrix if random_blocks and qtype in _BLOCK_SCALES else None)
         matrix(p + "attn_output.weight", shape.dim, q_dim)
         if a in ("qwen2", "qwen2moe"):
             for n, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
@@ -419,10 +419,16 @@ def _biases(w, shape: Shape, rng, p: str, exclude=()) -> None:
             _add(w, p + name + ".bias", _tensor(rng, (_bias_rows(shape, name),), 0.5), QT.F32)
 
 
-def _qkv(w, shape: Shape, rng, p: str, qtype: QT) -> None:
+def _qkv(w, shape: Shape, rng, p: str, qtype: QT, random_matrix=None) -> None:
     """q, k and v (and their biases where `shape.biases` names them): three tensors, or the same values
-    stacked in one attn_qkv."""
+    stacked in one attn_qkv. `random_matrix`: the writer's random-blocks matrix, for separate q, k, v."""
     q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    if random_matrix is not None and not shape.fused_qkv:
+        for n, rows in zip("qkv", (q_dim, kv_dim, kv_dim)):
+            random_matrix(p + f"attn_{n}.weight", rows, shape.dim)
+            if f"attn_{n}" in shape.biases:
+                _add(w, p + f"attn_{n}.bias", _tensor(rng, (rows,), 0.5), QT.F32)
+        return
     weights = [_tensor(rng, (rows, shape.dim), 1.0 / np.sqrt(shape.dim)) for rows in (q_dim, kv_dim, kv_dim)]
     with_bias = [f"attn_{n}" in shape.biases or "attn_qkv" in shape.biases for n in "qkv"]
     biases = [_tensor(rng, (len(x),), 0.5) if b else None for x, b in zip(weights, with_bias)]
