@@ -180,23 +180,32 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
     for (int i = 0; i < n; i++) y[i] = t[i];
 }
 
-/* ---- Several tokens: rows folded in pairs ----
-   A token's 16 dpbusd lanes hold two half-sums per block; folding two rows' sums together leaves one
-   vector of 16 lanes, row r's blocks low and row r+1's high, so the offset, convert, scale and FMA that
-   dot() spends per row and token run once per pair. Each lane sees dot()'s operations in dot()'s order:
-   the same bits. A pair's weights are unpacked once per group and serve every token. Q6_K keeps dot(). */
+/* ---- Several tokens: rows in pairs ----
+   A pair's unpacked weights are regrouped once per group into 8 vectors of one chunk of each row (row r
+   low, row r+1 high), so a token's chunk, broadcast to both halves, gives one vector of 16 lanes holding
+   both rows' block sums: no fold per token, and the offset, convert, scale and FMA that dot() spends per
+   row and token run once per pair. Each lane's integer sum is dot()'s and the float steps are in dot()'s
+   order: the same bits. The regrouping serves every token. Q6_K keeps dot(). */
 ALWAYS __m512 both(__m256 lo, __m256 hi) { return _mm512_castsi512_ps(halves(_mm256_castps_si256(lo), _mm256_castps_si256(hi))); }
 ALWAYS __m512 bcast8(const uint8_t *p) { return _mm512_castsi512_ps(_mm512_broadcast_i64x4(ld256(p))); }
 
-/* (fold(s0), fold(s1)): the low 256 bits of the two, plus the high 256 bits of the two. */
-ALWAYS __m512i fold_pair(__m512i s0, __m512i s1) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+/* Chunk c of rows r and r+1 (prep() holds chunks 2i, 2i+1 of a row in w[i]). */
+ALWAYS void chunks_by_pair(const wrow *w0, const wrow *w1, __m512i pw[8]) {
+    for (int i = 0; i < 4; i++) {
+        pw[2 * i] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0x44);
+        pw[2 * i + 1] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0xEE);
+    }
 }
 
-ALWAYS __m512i dpsum(const wrow *p, const uint8_t *ag) {
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], ld512(ag));
-    for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], ld512(ag + 64 * i));
-    return s;
+/* Both rows' block sums for one token: even and odd chunks in two chains (half the dependent latency). */
+ALWAYS __m512i dpsum_pair(const __m512i pw[8], const uint8_t *ag) {
+    __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pw[0], _mm512_broadcast_i64x4(ld256(ag)));
+    __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pw[1], _mm512_broadcast_i64x4(ld256(ag + 32)));
+    for (int c = 2; c < 8; c += 2) {
+        e = _mm512_dpbusd_epi32(e, pw[c], _mm512_broadcast_i64x4(ld256(ag + 32 * c)));
+        o = _mm512_dpbusd_epi32(o, pw[c + 1], _mm512_broadcast_i64x4(ld256(ag + 32 * (c + 1))));
+    }
+    return _mm512_add_epi32(e, o);
 }
 
 ALWAYS __m512i offset_pair(kiln_wfmt f, __m512i i32, const uint8_t *ag) {
@@ -217,15 +226,17 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
         for (int pr = 0; pr < 2; pr++) {
             wrow w0, w1;
+            __m512i pw[8];
             prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
             prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
+            chunks_by_pair(&w0, &w1, pw);
             __m512 d = both(w0.d, w1.d), m = _mm512_setzero_ps();
             __m512i sc = _mm512_setzero_si512();
             if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m = both(w0.m, w1.m);
             if (f == KF_Q4_K || f == KF_Q5_K) sc = halves(w0.sc, w1.sc);
             for (int t = 0; t < n; t++) {
                 const uint8_t *at = ag + t * stride;
-                __m512i i32 = fold_pair(dpsum(&w0, at), dpsum(&w1, at));
+                __m512i i32 = dpsum_pair(pw, at);
                 if (f == KF_Q4_K || f == KF_Q5_K) i32 = _mm512_mullo_epi32(i32, sc);
                 i32 = offset_pair(f, i32, at);
                 __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps();
