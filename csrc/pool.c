@@ -165,9 +165,13 @@ void kiln_pool_quiesce(kiln_pool *p) {
 }
 uint64_t kiln_pool_steals(const kiln_pool *p) { return atomic_load(&p->steals); }
 
+static _Thread_local int alone;
+void kiln_pool_alone(int on) { alone = on; }
+int kiln_pool_is_alone(void) { return alone; }
+
 int64_t kiln_pool_run(kiln_pool *p, kiln_chunk_fn compute, kiln_chunk_fn commit, void *ctx, int n_chunks) {
     if (n_chunks <= 0) return 0;
-    if (p->n_threads == 1 || n_chunks == 1 || n_chunks > KILN_POOL_MAX_CHUNKS) {
+    if (p->n_threads == 1 || alone || n_chunks == 1 || n_chunks > KILN_POOL_MAX_CHUNKS) {
         for (int c = 0; c < n_chunks; c++) compute(ctx, c, 0), commit(ctx, c, 0);
         return 0;
     }

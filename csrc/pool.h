@@ -29,6 +29,11 @@ int64_t kiln_pool_run(kiln_pool *pool, kiln_chunk_fn compute, kiln_chunk_fn comm
  * late worker may still be computing (into its scratch) a chunk it will throw away. */
 void kiln_pool_quiesce(kiln_pool *pool);
 
+/* While on, every job this thread runs stays on it, touching no pool's shared state: so engines that share
+ * a pool can step at once, a thread each, while no caller uses the pool's workers (scheduler.Turns). */
+void kiln_pool_alone(int on);
+int kiln_pool_is_alone(void);
+
 /* Chunks the caller took over because their worker stalled. */
 uint64_t kiln_pool_steals(const kiln_pool *pool);
 

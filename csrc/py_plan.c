@@ -714,7 +714,18 @@ static PyObject *py_file_checksum(PyObject *self, PyObject *args) {
     return summed(rc, &sum, path, (size_t)nbytes);
 }
 
+static PyObject *py_pool_alone(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    int was = kiln_pool_is_alone();
+    kiln_pool_alone(on);
+    return PyBool_FromLong(was);
+}
+
 PyMethodDef plan_module_methods[] = {
+    {"pool_alone", py_pool_alone, METH_VARARGS,
+     "pool_alone(on) -> was: this thread runs every pool job on itself (True) or on the pool's threads"},
     {"qkv_chunks", py_qkv_chunks, METH_VARARGS, "qkv_chunks(heads, per) -> chunks a QKV op runs in"},
     {"pack_into", py_pack_into, METH_VARARGS, "pack_into(arena, offset, ggml_type, src, rows, cols) -> WMat"},
     {"wmat", py_wmat, METH_VARARGS, "wmat(arena, offset, fmt, rows, cols, rows_padded, tile_bytes) -> WMat"},

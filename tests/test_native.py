@@ -169,6 +169,39 @@ def test_threads_give_bit_identical_logits(tmp_path):
     assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2])
 
 
+def test_engines_sharing_a_pool_step_at_once_each_on_its_own_thread(tmp_path):
+    """With the pool's jobs kept on the stepping thread (scheduler.Turns, while several models have work), two
+    engines on one two-thread pool step concurrently and give the logits a one-thread engine gives."""
+    import threading
+
+    from kiln import _native
+
+    paths = [write_random_gguf(tmp_path / f"{q.name}.gguf", "tiny-llama", qtype=q, seed=9) for q in (QT.Q4_1, QT.Q8_0)]
+    first, _ = engines(paths[0], n_slots=8, threads=2)
+    shared = [first, engines(paths[1], n_slots=8, pool=first.pool)[0]]
+    single = [engines(p, n_slots=8, threads=1)[0] for p in paths]
+    rows, got, errors = list(range(8)), [[], []], []
+
+    def run(k):
+        try:
+            assert _native.pool_alone(True) is False
+            for i in range(12):
+                got[k].append(shared[k].step([40 + i + r for r in rows], rows, [i] * 8, rows))
+            _native.pool_alone(False)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        want = [single[k].step([40 + i + r for r in rows], rows, [i] * 8, rows) for i in range(12)]
+        assert np.array_equal(np.stack(got[k]), np.stack(want)), paths[k].name
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])  # Q8_0: a split head
 def test_batch_gives_bit_identical_logits(qtype, tmp_path):
     """A sequence's logits do not depend on what shares its step: its own rows decide which output-head

@@ -18,6 +18,8 @@ VOCAB = 64
 class ScriptedEngine:
     """Each row's logits favour (its token + 1) % VOCAB, so greedy decoding counts upwards."""
 
+    threads = None  # no native threads: the calling thread alone
+
     def __init__(self, n_slots=4, n_ctx=256, max_batch=4, prefill_rows=8, max_out=None):
         self.n_slots, self.n_ctx, self.max_batch, self.prefill_rows = n_slots, n_ctx, max_batch, prefill_rows
         if max_out is not None:
@@ -382,7 +384,7 @@ def test_schedulers_sharing_turns_step_one_at_a_time_and_alternate():
             # turn (while it has work), so the order shows the turns' rule, not how the threads were scheduled.
             other = clients["ab".index(self.name) - 1]
             deadline = time.monotonic() + 5
-            while turns._issued - turns._serving < 2 and not other.done.is_set() and time.monotonic() < deadline:
+            while not turns._queue and not other.done.is_set() and time.monotonic() < deadline:
                 time.sleep(0.0005)
             order.append(self.name)
             inside[0] -= 1
@@ -404,3 +406,54 @@ def test_schedulers_sharing_turns_step_one_at_a_time_and_alternate():
     assert order.count("a") == order.count("b") == 20  # the prompt (its first token) and 19 decode steps each
     repeats = sum(x == y for x, y in zip(order, order[1:]))
     assert repeats <= 2, order  # one ahead at the start, one left at the end; alternating between
+
+
+def test_schedulers_with_work_divide_the_threads_and_one_alone_takes_the_pool():
+    """On a pool of two threads, two models with work step at once, each with the pool's jobs kept on its own
+    thread; a model alone with work steps on the whole pool (its jobs go to the pool's threads)."""
+    import time
+
+    from kiln import _native
+    from kiln.engine.scheduler import Turns
+
+    inside, most, seen, entries = [0], [0], {"a": [], "b": []}, {"a": 0, "b": 0}
+
+    class Shared(ScriptedEngine):
+        pool, threads = None, 2
+
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def step(self, tokens, slots, positions, out_rows):
+            inside[0] += 1
+            entries[self.name] += 1
+            most[0] = max(most[0], inside[0])
+            alone = _native.pool_alone(True)  # reads this thread's setting (and puts it back below)
+            _native.pool_alone(alone)
+            seen[self.name].append(alone)
+            name = "ab"["ab".index(self.name) - 1]
+            other, start = clients["ab".index(name)], entries[name]
+            deadline = time.monotonic() + 5  # the GIL released, as in a native step, until the other starts one
+            while entries[name] == start and not other.done.is_set() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            inside[0] -= 1
+            return super().step(tokens, slots, positions, out_rows)
+
+    turns = Turns()
+    schedulers = [Scheduler(Shared(name), n_slots=2, max_queue=4, turns=turns) for name in "ab"]
+    clients = [Client([1, 2], max_tokens=20), Client([3, 4], max_tokens=5)]
+    for s, c in zip(schedulers, clients):
+        s.submit(c.request)
+    for s in schedulers:
+        s.start()
+    try:
+        assert all(c.done.wait(10) for c in clients)
+    finally:
+        for s in schedulers:
+            s.stop()
+    assert most[0] == 2  # both stepped at once
+    assert seen["b"] and all(seen["b"][1:]), seen  # b always had a stepping a beside it (its first may have been before a's)
+    assert seen["a"][-1] is False and seen["a"].count(True) >= 4, seen  # a alone once b finished: the whole pool
+    assert _native.pool_alone(False) is False  # the schedulers' threads set it, never this one
+    assert not turns._busy and turns._alone == 0 and not turns._whole

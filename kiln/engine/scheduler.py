@@ -25,7 +25,8 @@ Requests arrive from other threads through `submit` (bounded: a full queue raise
 leave through `cancel`, which the loop honours at its next step, freeing the slot.
 
 Several schedulers (one per model the server holds) may share one native thread pool: each takes its
-steps through a `Turns` they share, so one step runs on the pool at a time, in the order they asked.
+steps through a `Turns` they share, which gives a model alone with work the whole pool and divides the
+threads between models while several have work.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ from kiln.engine.sampler import sample_rows
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import Draft, draft_limit, propose, verify
 from kiln.errors import KilnError
+
+try:
+    from kiln import _native
+except ImportError:  # the oracle alone: no pool to divide
+    _native = None
 
 log = logging.getLogger("kiln.scheduler")
 
@@ -126,26 +132,63 @@ class Batch:
 
 
 class Turns:
-    """One step at a time across the schedulers that share a thread pool, taken in the order asked (a
-    ticket lock): a scheduler that finished a step and asks again queues behind the others that wait,
-    so models with work alternate step by step and none starves."""
+    """How the schedulers that share a thread pool share its cores. A model alone with work steps on all of
+    them; while two or more have work, each steps on one thread of its own (the pool's jobs kept on the
+    stepping thread: `_native.pool_alone`), as many at once as the pool has threads. So the steps lose the
+    pool's per-op barriers and one model's Python work runs beside another's native step (docs/PERF.md,
+    "Eight rows a step, two models at once"). Steps start in the order asked (a ticket queue): a scheduler
+    that finished a step and asks again queues behind the others that wait, so none starves."""
 
-    def __init__(self):
+    def __init__(self, divide: bool = True):
+        """`divide` False: models with work alternate step by step on the whole pool (docs/PERF.md compares)."""
+        self.divide = divide
         self._cv = threading.Condition()
-        self._issued = 0
-        self._serving = 0
+        self._queue: deque[int] = deque()  # tickets waiting to start, oldest first
+        self._tickets = itertools.count()
+        self._whole = False  # a step on the whole pool is in flight
+        self._alone = 0  # steps on a thread each in flight
+        self._busy: set = set()  # the schedulers with work
+
+    def acquire(self, owner: "Scheduler | None" = None, threads: int = 1) -> bool:
+        """Wait for `owner`'s turn (None: the whole pool, with no step beside it); True when it steps alone."""
+        with self._cv:
+            if owner is not None:
+                self._busy.add(owner)
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            while True:
+                alone = self.divide and owner is not None and threads > 1 and len(self._busy) > 1
+                free = not self._whole and (self._alone < threads if alone else self._alone == 0)
+                if self._queue[0] == ticket and free:
+                    break
+                self._cv.wait()
+            self._queue.popleft()
+            if alone:
+                self._alone += 1
+            else:
+                self._whole = True
+            self._cv.notify_all()  # the next ticket may start beside this one
+        if alone and _native is not None:
+            _native.pool_alone(True)
+        return alone
+
+    def release(self, owner: "Scheduler | None", alone: bool) -> None:
+        if alone and _native is not None:
+            _native.pool_alone(False)
+        with self._cv:
+            if alone:
+                self._alone -= 1
+            else:
+                self._whole = False
+            if owner is not None and not owner.has_work():
+                self._busy.discard(owner)
+            self._cv.notify_all()
 
     def __enter__(self) -> None:
-        with self._cv:
-            ticket = self._issued
-            self._issued += 1
-            while ticket != self._serving:
-                self._cv.wait()
+        self.acquire()
 
     def __exit__(self, *exc) -> None:
-        with self._cv:
-            self._serving += 1
-            self._cv.notify_all()
+        self.release(None, False)
 
 
 class Scheduler:
@@ -235,17 +278,23 @@ class Scheduler:
     def step(self) -> bool:
         """schedule → run → postprocess, once, in this scheduler's turn; False when it is stopping."""
         self._wait_for_work()  # outside the turn: an idle model holds no other up
-        with self.turns:
+        alone = self.turns.acquire(self, self.engine.threads or 1)
+        try:
             if (batch := self._take_batch()) is None:
                 return False
             if batch.tokens and (logits := self.run(batch)) is not None:
                 self.postprocess(batch, logits)
+        finally:
+            self.turns.release(self, alone)
         return True
 
     def _wait_for_work(self) -> None:
         with self._cv:
             while not (self._stopping or self.waiting or self.running):
                 self._cv.wait()
+
+    def has_work(self) -> bool:
+        return not self._stopping and bool(self.waiting or self.running)
 
     def _take_batch(self) -> Batch | None:
         """The next step's batch (empty when cancellations left nothing to run); None when stopping."""

@@ -8,8 +8,9 @@ of each, against `max_memory` and MemAvailable) leaves it no room. A request for
 (Ollama's num_ctx) reloads that model once its own requests finish, with its slots planned at that length.
 Each idle model is unloaded when its own keep-alive runs out.
 
-The models' engines share one native thread pool and take their steps through one `Turns`: one step at a
-time on all the cores, models with work alternating step by step (docs/ARCHITECTURE.md, "The server").
+The models' engines share one native thread pool and take their steps through one `Turns`: a model alone
+with work steps on all the cores; while several have work, each steps on a thread of its own
+(docs/ARCHITECTURE.md, "The server").
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Runtime:
         self._switch = asyncio.Lock()  # one load (and the evictions that make its room) at a time
         self._idle = asyncio.Condition()  # notified when a request releases its model, or a model unloads
         self._expiry = asyncio.Event()  # wakes the reaper early (keep_alive 0)
-        self._turns = Turns()  # the loaded models' engine steps, one at a time on the shared pool
+        self._turns = Turns()  # how the loaded models' engine steps share the pool's threads
         self._pool = None  # the native thread pool every engine steps on, made by the first one loaded
         self.pull_lock = asyncio.Lock()  # one pull at a time, as Ollama runs them
 
