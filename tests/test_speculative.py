@@ -90,7 +90,7 @@ class BigramEngine:
 
     n_ctx = 64
     limits = Limits(out_rows=Limits.rows)
-    pool = None
+    pool = threads = None
 
     def __init__(self, seed: int = 1):
         self.table = np.random.default_rng(seed).normal(0, 1.5, (V, V)).astype(np.float32)
