@@ -391,9 +391,9 @@ class NativeEngine:
                  cache_dir: Path | None = None, max_batch: int = 16, prefill_rows: int = 128, max_out: int = 16,
                  gguf_sha256: str | None = None, guard: bool = False, pool=None, kv_type: str = "f16"):
         """`guard` (or KILN_GUARD=1): plans with guard words around each op's scratch, for tests. `pool`: a
-        thread pool shared with other engines (their steps must never overlap: scheduler.Turns); by
-        default the engine makes its own of `threads`. `kv_type`: the KV cache's type
-        (kiln.engine.kv.KV_CACHE_TYPES)."""
+        thread pool shared with other engines (their steps overlap only with the pool's jobs kept on each
+        stepping thread: scheduler.Turns); by default the engine makes its own of `threads`. `kv_type`: the
+        KV cache's type (kiln.engine.kv.KV_CACHE_TYPES)."""
         if _native is None:
             raise KilnError("the native core (kiln._native) is not built; reinstall kiln or use --backend oracle")
         t0 = time.perf_counter()
