@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kiln.errors import Field, RequestError
+from kiln.tokenizer import HARMONY_FRAMING
 
 # Reasoning markers templates use, open and close.
 MARKERS = (("<think>", "</think>"), ("<thinking>", "</thinking>"),
            ("<|begin_of_thought|>", "<|end_of_thought|>"), ("◁think▷", "◁/think▷"))
 EFFORTS = ("low", "medium", "high")
 # gpt-oss's harmony format: reasoning is a message on the analysis channel, and the whole reply is read by
-# kiln/harmony.py's parser.
-HARMONY_FRAMING = ("<|start|>", "<|channel|>", "<|message|>")
+# kiln/harmony.py's parser. A template is harmony's when it writes the messages' framing tokens.
+HARMONY_TEMPLATE_MARKERS = HARMONY_FRAMING[:3]
 HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>")
 
 
@@ -43,7 +44,7 @@ def thinking_style(template: str) -> ThinkingStyle | None:
     """The template's thinking switch and markers, or None when it has no reasoning."""
     history = next((f for f in ("reasoning_content", "thinking")
                     if re.search(rf"(message|m)\.{f}\b|\[['\"]{f}['\"]\]", template)), None)
-    if all(m in template for m in HARMONY_FRAMING):  # it always reasons; an effort is all it takes
+    if all(m in template for m in HARMONY_TEMPLATE_MARKERS):  # it always reasons; an effort is all it takes
         return ThinkingStyle(*HARMONY_ANALYSIS, None, "reasoning_effort" in template, history, harmony=True)
     marker = next(((o, c) for o, c in MARKERS if o in template or c in template), None)
     if marker is None:
