@@ -226,7 +226,199 @@ def test_the_plan_checks_the_delta_nets_state_against_its_buffer(f32_path):
     native = engines(f32_path)[0]
     rebuild(native)  # as handed: accepted
     state = memoryview(native.state_arena)
-    # the last layer's matrices end the buffer: one cut short of them is refused, naming the field
+    # the matrices' snapshots end the buffer, after the last layer's matrices: a buffer cut short of those
+    # is refused, naming the field
+    snapshots = 2 * 4 * 16 * 8 * 4
     with pytest.raises(ValueError, match=r"plan op \d+ \(DELTANET, layer 2\): matrices needs \d+ bytes at byte \d+ "
                                          r"of buffer 'recurrent state'"):
-        rebuild(native, **{"recurrent state": state[: len(state) - 4]})
+        rebuild(native, **{"recurrent state": state[: len(state) - snapshots - 4]})
+
+
+# ---- the slot's state: later turns, copied prefixes, speculation, the memory fit --------------------------
+
+def greedy(tokens, n):
+    from kiln.engine.sampler import SamplingParams
+    from kiln.engine.sequence import Sequence
+    from tests.test_scheduler import Letters
+
+    return Sequence(list(tokens), SamplingParams.greedy(), Letters(), n)
+
+
+def serve(engine, seqs):
+    from kiln.engine.scheduler import Request, Scheduler
+    from tests.test_scheduler import run_steps
+
+    s = Scheduler(engine, n_slots=engine.n_slots, max_queue=8)
+    for seq in seqs:
+        s.submit(Request(seq, lambda event: None))
+    run_steps(s)
+    return s
+
+
+def answer_alone(f32_path, prompt, n):
+    """What a fresh engine answers: every prompt token prefilled."""
+    seq = greedy(prompt, n)
+    serve(engines(f32_path, prefill_rows=16, max_batch=4)[0], [seq])
+    assert seq.timings.cached_tokens == 0
+    return seq.output_ids
+
+
+def test_a_slot_continues_only_where_it_stopped_or_from_its_snapshot(f32_path):
+    from kiln.errors import KilnError
+
+    native, fresh = engines(f32_path, prefill_rows=16, max_batch=4)[0], engines(f32_path)[0]
+    assert native.state_positions.window == 0  # the matrices hold no history to rewind into
+    native.forward(IDS[:30])
+    assert native.resume_point(0, 30) == 30 and native.resume_point(0, 29) == 0
+    with pytest.raises(KilnError, match="cannot continue at position 29"):
+        native.forward(IDS[29:31], 0, 29)
+    native.snapshot(0, 30)  # what the scheduler keeps at a prompt's end
+    native.forward(IDS[30:] + [1] * 20, 0, 30)  # a reply runs on
+    assert native.resume_point(0, 38) == 30
+    again = native.forward(IDS[30:], 0, 30)  # from the snapshot: the same logits as a fresh prefill
+    assert rel_err(again, fresh.forward(IDS)) < 1e-5
+    native.forward(IDS[:12])  # a new prompt at 0 starts from zeros, whatever the slot held
+    assert rel_err(native.forward(IDS[12:20], 0, 12), fresh.forward(IDS[:20])) < 1e-5
+
+
+def test_later_turns_resume_from_the_state_or_the_prompts_snapshot(f32_path):
+    from kiln.engine.scheduler import Request, Scheduler
+    from tests.test_scheduler import run_steps
+
+    native = engines(f32_path, prefill_rows=16, max_batch=4)[0]
+    s = Scheduler(native, n_slots=1, max_queue=4)
+
+    def turn(prompt, n):
+        seq = greedy(prompt, n)
+        s.submit(Request(seq, lambda event: None))
+        run_steps(s)
+        return seq
+
+    first = turn(IDS[:20], 12)
+    # a turn that extends the first prompt but not its reply resumes from the snapshot at the prompt's end
+    branch = turn(IDS[:20] + [7, 8, 9], 8)
+    assert branch.timings.cached_tokens == 20 and branch.output_ids == answer_alone(f32_path, branch.prompt_ids, 8)
+    # one that extends all the slot holds continues where it stopped (the last sampled token never was fed)
+    follow = turn(branch.prompt_ids + branch.output_ids + [33, 44, 55], 8)
+    assert follow.timings.cached_tokens == 23 + 8 - 1
+    assert follow.output_ids == answer_alone(f32_path, follow.prompt_ids, 8)
+    # one that shares less than either starts over, with the same answer
+    third = turn(IDS[:3] + [1] * 30, 4)
+    assert third.timings.cached_tokens == 0 and third.output_ids == answer_alone(f32_path, third.prompt_ids, 4)
+    assert first.output_ids == answer_alone(f32_path, IDS[:20], 12)
+
+
+def test_a_running_requests_prompt_is_copied(f32_path):
+    from kiln.engine.scheduler import Request, Scheduler
+    from tests.test_scheduler import run_steps
+
+    native = engines(f32_path, n_slots=2, prefill_rows=16, max_batch=4)[0]
+    copies = []
+    copy_slot = native.copy_slot
+    native.copy_slot = lambda src, dst, n: (copies.append((src, dst, n)), copy_slot(src, dst, n))[1]
+    s = Scheduler(native, n_slots=2, max_queue=4)
+    a = greedy(IDS[:14], 10)
+    s.submit(Request(a, lambda event: None))
+    run_steps(s, 3)  # a's prompt is in and it decodes: its state is past the prompt, its snapshot at it
+    b = greedy(IDS[:14] + [3, 4], 6)
+    s.submit(Request(b, lambda event: None))
+    run_steps(s)
+    assert copies == [(0, 1, 14)] and b.timings.cached_tokens == 14
+    assert b.output_ids == answer_alone(f32_path, b.prompt_ids, 6)
+    assert a.output_ids == answer_alone(f32_path, a.prompt_ids, 10)
+
+
+@pytest.fixture(scope="module")
+def target_and_draft(tmp_path_factory):
+    from kiln.engine.model import load
+    from kiln.engine.speculative import ModelDrafter
+
+    root = tmp_path_factory.mktemp("qwen35spec")
+    target_path = write_random_gguf(root / "target.gguf", "tiny-qwen35", qtype=QT.Q8_0, seed=0)
+    draft_path = write_random_gguf(root / "draft.gguf", "tiny-qwen35", qtype=QT.Q8_0, seed=7,
+                                   tokenizer_from=target_path)
+    target = load(str(target_path), backend="native", n_ctx=128, n_slots=2, progress=False)
+    draft = load(str(draft_path), backend="native", n_ctx=128, n_slots=2, progress=False)
+    yield target, ModelDrafter(draft, target)
+    target.close()
+    draft.close()
+
+
+def test_speculation_with_rejections_gives_the_plain_greedy_output(target_and_draft):
+    from kiln.engine.sampler import SamplingParams
+    from kiln.engine.sequence import Sequence
+    from kiln.engine.speculative import LookupDrafter, Speculation
+    from tests.test_scheduler import Letters
+
+    target, drafter = target_and_draft
+    prompts = [[5, 6, 7, 8] * 6, IDS[:16]]
+    plain = [greedy(p, 24) for p in prompts]
+    serve(target.engine, plain)
+    steps = []
+    step = target.engine.step
+    counts = []
+    for make in (lambda: Speculation(LookupDrafter(4), 8), lambda: Speculation(drafter, 4)):
+        seqs = [Sequence(list(p), SamplingParams.greedy(), Letters(), 24, speculation=make()) for p in prompts]
+        target.engine.step = lambda *args: (steps.append((list(args[1]), list(args[2]))), step(*args))[1]
+        serve(target.engine, seqs)
+        target.engine.step = step
+        assert [q.output_ids for q in seqs] == [q.output_ids for q in plain]
+        counts.append((sum(q.timings.draft_tokens for q in seqs), sum(q.timings.draft_accepted for q in seqs)))
+    (lookup_drafted, _), (model_drafted, model_accepted) = counts
+    # another random model drafts: most of its tokens are rejected, and the target went back to the
+    # draft's checkpoint, feeding the accepted tokens again (a step's positions go back)
+    assert lookup_drafted > 0 and model_drafted > model_accepted
+    def went_back(before, after):
+        ends = {s: p for s, p in zip(*before)}  # each slot's last position in the earlier step
+        return any(p <= ends.get(s, p - 1) for s, p in zip(*after))
+
+    assert any(went_back(a, b) for a, b in zip(steps, steps[1:]))
+
+
+def test_memory_fit_and_trace_count_the_recurrent_state(f32_path, tmp_path, monkeypatch):
+    import math
+
+    from kiln import trace
+    from kiln import validate as V
+    from kiln.engine.model import load
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    fp = V.footprint(str(f32_path), 128, n_slots=2)
+    model = load(str(f32_path), backend="native", n_ctx=128, n_slots=2, threads=2, progress=False)
+    e = model.engine
+    width, matrices = 2 * 2 * 16 + 4 * 8, 4 * 16 * 8  # a DeltaNet's channels, and its matrices' floats
+    ring = 4 - 1  # the taps before a row's own: no rewind
+    # two DeltaNet layers: their rings, their matrices and the matrices' snapshot
+    assert e.state_bytes_per_slot == 2 * 4 * (ring * width + 2 * matrices)
+    assert e.state_arena.nbytes == 2 * e.state_bytes_per_slot
+    huge = 2 ** 21
+    assert fp["state_bytes"] == math.ceil(e.state_arena.nbytes / huge) * huge
+    # per decode token: each DeltaNet reads the inputs its taps reach and its matrices, writes its input
+    # and the matrices
+    assert trace.state_bytes(e.decode_plan) == (2 * 4 * (ring * width + matrices), 2 * 4 * (width + matrices))
+    model.close()
+
+
+def test_the_template_switches_thinking(f32_path):
+    from kiln.chat import render_chat
+    from kiln.thinking import thinking_style
+
+    template = GGUFFile(f32_path).metadata["tokenizer.chat_template"]
+    style = thinking_style(template)
+    assert (style.open, style.close, style.switch) == ("<think>", "</think>", "enable_thinking")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(template, messages).endswith("<|im_start|>assistant\n<think>\n")
+    assert render_chat(template, messages, enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_kiln_run_answers_with_qwen35_on_the_native_engine(f32_path, capsys):
+    from kiln.cli import main
+
+    answers = []
+    for backend in ("native", "oracle"):
+        assert main(["run", str(f32_path), "hello there", "--backend", backend, "--temperature", "0", "-n", "8",
+                     "-c", "128", "--verbose"]) == 0
+        captured = capsys.readouterr()
+        assert "(8 tokens)" in captured.err
+        answers.append(captured.out)
+    assert answers[0] == answers[1]

@@ -147,11 +147,17 @@ class StateWindow:
         return [q % self.ring for q in range(max(0, position - self.length + 1), position)]
 
     def take_snapshot(self, slot: int, position: int) -> bool:
-        """Whether the rings hold the inputs before `position` (then the caller copies them)."""
-        if self.resume_point(slot, position) != position:
+        """Whether the state itself holds what comes before `position` (then the caller copies it); a
+        snapshot already at `position` is kept when it no longer does."""
+        if not self._live(slot, position):
             return False
         self.snapshot[slot] = position
         return True
+
+    def needs_checkpoint(self) -> bool:
+        """Whether a step that is undone (rejected draft rows) leaves the slot able to continue only from a
+        snapshot: a state that holds no history."""
+        return self.window == 0
 
     def copy(self, src: int, dst: int) -> None:
         for field in (self.end, self.top, self.floor, self.snapshot):
@@ -216,11 +222,11 @@ class RecurrentState:
 
 
 def recurrent_state_bytes(cfg: ModelConfig, n_slots: int, rows: int) -> int:
-    """What the recurrent layers' state holds for `n_slots` slots (float32; see StateWindow): the rings and
-    a DeltaNet's matrices, fixed whatever the context."""
+    """What the recurrent layers' state holds for `n_slots` slots (float32; see StateWindow): the rings, and
+    a DeltaNet's matrices with each slot's snapshot of them, fixed whatever the context."""
     layers = recurrent_layers(cfg)
     if not layers:
         return 0
     ring = state_window(layers, rows) + max(c.length for c in layers.values()) - 1
     matrices = sum(c.matrix_floats for c in layers.values() if isinstance(c, DeltaNet))
-    return 4 * n_slots * (ring * sum(c.width for c in layers.values()) + matrices)
+    return 4 * n_slots * (ring * sum(c.width for c in layers.values()) + 2 * matrices)

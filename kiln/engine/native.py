@@ -474,13 +474,13 @@ class NativeEngine:
         matrices = {i: n_slots * c.matrix_floats for i, c in layers.items() if isinstance(c, DeltaNet)}
         self.state_arena = _native.Arena(recurrent_state_bytes(self.config, n_slots, rows))
         whole, at = np.frombuffer(self.state_arena, dtype=np.float32), 0
-        for store, part in ((self._state, sizes), (self._matrices, matrices)):
+        for store, part in ((self._state, sizes), (self._matrices, matrices), (self._matrix_snapshots, matrices)):
             for i, size in part.items():
                 store[i] = whole[at : at + size].reshape(n_slots, -1)
                 at += size
-        # each slot's snapshot: the state before one position (kiln/engine/kv.py, StateWindow)
+        # each slot's snapshot of its rings: the inputs before one position (kiln/engine/kv.py, StateWindow)
         self._snapshots = {i: np.zeros((n_slots, c.length - 1, c.width), np.float32) for i, c in layers.items()}
-        self._matrix_snapshots = {i: np.zeros_like(m) for i, m in self._matrices.items()}
+
 
     def _rings(self, layer: int) -> np.ndarray:
         return self._state[layer].reshape(self.n_slots, self.state_positions.ring, -1)
@@ -501,10 +501,17 @@ class NativeEngine:
             for i, m in self._matrices.items():
                 self._matrix_snapshots[i][slot] = m[slot]
 
+    def checkpoint(self, slot: int, position: int) -> None:
+        """Snapshot the state at `position` before a step that may be undone, where it cannot rewind."""
+        if self.state_positions is not None and self.state_positions.needs_checkpoint():
+            self.snapshot(slot, position)
+
     @property
     def state_bytes_per_slot(self) -> int:
-        """The recurrent state one slot holds, whatever its context: kiln validate's memory fit."""
-        return sum(s[0].nbytes for s in (*self._state.values(), *self._matrices.values()))
+        """The recurrent state one slot holds (a DeltaNet's snapshot of its matrices too), whatever its
+        context: kiln validate's memory fit."""
+        return sum(s[0].nbytes for s in (*self._state.values(), *self._matrices.values(),
+                                         *self._matrix_snapshots.values()))
 
     # ---- resources the lowering asks for ---------------------------------------------------------
     def kv_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -293,5 +293,9 @@ class OracleEngine:
         if self.conv is not None:
             self.conv.snapshot(slot, position)
 
+    def checkpoint(self, slot: int, position: int) -> None:
+        if self.conv is not None and self.conv.positions.needs_checkpoint():
+            self.conv.snapshot(slot, position)
+
     def close(self) -> None:
         self._weights.clear()
