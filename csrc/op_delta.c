@@ -43,14 +43,14 @@ void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b) {
 static void mix_row(const kiln_op *op, const float *in, float *ring, int pos, float *mixed) {
     const int n = op->cols, L = op->conv_len, R = op->state_len;
     const float *w = op->conv_w;
-    for (int i = 0; i < n; i++) mixed[i] = w[(size_t)i * L + L - 1] * in[i];
-    for (int k = 0; k < L - 1; k++) { /* tap k reads position pos - (L - 1) + k */
+    for (int i = 0; i < n; i++) mixed[i] = 0.0f;
+    for (int k = 0; k < L; k++) { /* tap k reads position pos - (L - 1) + k: the last, the row's own input */
         int at = pos - (L - 1) + k;
         if (at < 0) continue;
-        const float *past = ring + (size_t)(at % R) * n;
+        const float *past = k == L - 1 ? in : ring + (size_t)(at % R) * n;
         for (int i = 0; i < n; i++) mixed[i] += w[(size_t)i * L + k] * past[i];
     }
-    if (R > 0) memcpy(ring + (size_t)(pos % R) * n, in, sizeof(float) * n);
+    memcpy(ring + (size_t)(pos % R) * n, in, sizeof(float) * n); /* after the taps: it may be the oldest's row */
     for (int i = 0; i < n; i++) mixed[i] = mixed[i] / (1.0f + expf(-mixed[i]));
     const int dk = op->dn_k_dim;
     const float q_scale = 1.0f / sqrtf((float)dk);
@@ -97,7 +97,7 @@ static void head_row(const kiln_op *op, const float *mixed, float *S, int t, int
 
 size_t kiln_delta_net_scratch(const kiln_op *op, int rows, int out_rows) {
     (void)rows, (void)out_rows;
-    return (size_t)op->dn_v_dim;
+    return (size_t)op->dn_v_dim; /* head_row's recalled values */
 }
 
 /* A chunk is a run of value heads for every row of the step, rows in order: each head's rows depend only
