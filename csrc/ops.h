@@ -1,4 +1,4 @@
-/* What the op families (op_rows.c, op_matmul.c, op_attn.c, op_logits.c) share with the executor
+/* What the op families (op_rows.c, op_matmul.c, op_attn.c, op_logits.c, op_conv.c, op_moe.c, op_delta.c) share with the executor
  * (plan.c) and the plan checks (plan_check.c): each family's entry points, a chunk's context, the
  * thread's scratch and the helpers several families use.
  *
@@ -84,6 +84,12 @@ int64_t kiln_logits_run(kiln_plan *p, job *j);
 
 void kiln_shortconv_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_shortconv_run(kiln_plan *p, job *j);
+
+size_t kiln_delta_net_scratch(const kiln_op *op, int rows, int out_rows);
+void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b);
+int64_t kiln_delta_net_run(kiln_plan *p, job *j);
+void kiln_gate_bounds(const kiln_op *op, kiln_bounds *b);
+int64_t kiln_gate_run(kiln_plan *p, job *j);
 
 /* ---- helpers several families use ---- */
 

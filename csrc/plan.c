@@ -18,6 +18,7 @@ size_t kiln_op_scratch(const kiln_op *op, int rows, int out_rows) {
     case OP_GLU: return kiln_glu_scratch(op, rows, out_rows);
     case OP_LOGITS: return kiln_logits_scratch(op, rows, out_rows);
     case OP_MOE: return kiln_moe_scratch(op, rows, out_rows);
+    case OP_DELTANET: return kiln_delta_net_scratch(op, rows, out_rows);
     default: return 0;
     }
 }
@@ -39,6 +40,8 @@ static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     case OP_NORM_ADD: return kiln_norm_add_run(p, j);
     case OP_SHORTCONV: return kiln_shortconv_run(p, j);
     case OP_MOE: return kiln_moe_run(p, j);
+    case OP_DELTANET: return kiln_delta_net_run(p, j);
+    case OP_GATE: return kiln_gate_run(p, j);
     }
     return 0;
 }

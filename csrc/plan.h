@@ -23,13 +23,15 @@ enum {
     OP_LOGITS,     /* logits[i] = scale * (W·act[row_sel[i]] (+ bias)) */
     OP_SHORTCONV,  /* out = c * conv(b * x) over each row's slot, b, c, x the thirds of in (op_conv.c) */
     OP_MOE,        /* out = residual + Σ top-k router weights · expert GLUs (+ a shared expert) */
+    OP_DELTANET,   /* out = Gated DeltaNet of in (q, k, v) over each row's slot, gated by z (op_delta.c) */
+    OP_GATE,       /* out = in * sigmoid(gate) */
     OP_COUNT
 };
 
 /* What the tracer files an op's time under (kiln_op.op_class). */
 enum {
     OPC_MATMUL,    /* matrix products: QKV, MATMUL, GLU */
-    OPC_ATTENTION, /* the sequence mixers: ATTN, SHORTCONV */
+    OPC_ATTENTION, /* the sequence mixers: ATTN, SHORTCONV, DELTANET */
     OPC_NORM,      /* norms, rope, activations, quantization */
     OPC_HEAD,      /* the final norm and the output head */
     OPC_EMBED,     /* the embedding lookup */
@@ -140,6 +142,14 @@ typedef struct kiln_op {
     /* OP_MOE: the experts' biases, [n_experts][ff] for gate and up and [n_experts][rows] for down (NULL:
      * none); the router's bias is `bias`, the experts' and shared expert's GLU activation `glu_act` */
     const float *exp_gate_b, *exp_up_b, *exp_down_b;
+    /* OP_DELTANET (op_delta.c): in is [rows][cols] of q, k, v; the convolution is conv_w over the rings in
+     * state (as SHORTCONV's); dn_mixed [rows][cols] its output, normalized; dn_z [rows][v_heads*v_dim] the
+     * output gate (OP_GATE's gate, [rows][cols]); dn_alpha and dn_beta [rows][v_heads]; dn_decay and
+     * dn_dt_bias [v_heads]; norm_w [v_dim] and eps the output norm; dn_matrices this layer's
+     * [slots][v_heads][k_dim][v_dim]; chunk_heads value heads a chunk */
+    const float *dn_z, *dn_alpha, *dn_beta, *dn_decay, *dn_dt_bias;
+    float *dn_mixed, *dn_matrices;
+    int dn_k_heads, dn_v_heads, dn_k_dim, dn_v_dim;
 } kiln_op;
 
 typedef struct kiln_plan kiln_plan;

@@ -10,7 +10,8 @@
 #include "ops.h"
 
 static const char *const OP_NAMES[OP_COUNT] = {"EMBED", "NORM_QUANT", "QUANT", "QKV", "ATTN",
-                                               "MATMUL", "GLU", "NORM_ADD", "LOGITS", "SHORTCONV", "MOE"};
+                                               "MATMUL", "GLU", "NORM_ADD", "LOGITS", "SHORTCONV", "MOE",
+                                               "DELTANET", "GATE"};
 
 const char *kiln_op_name(int kind) { return kind >= 0 && kind < OP_COUNT ? OP_NAMES[kind] : "unknown"; }
 
@@ -104,6 +105,8 @@ static void op_bounds(const kiln_op *op, kiln_bounds *b) {
     case OP_LOGITS: kiln_logits_bounds(op, b); return;
     case OP_SHORTCONV: kiln_shortconv_bounds(op, b); return;
     case OP_MOE: kiln_moe_bounds(op, b); return;
+    case OP_DELTANET: kiln_delta_net_bounds(op, b); return;
+    case OP_GATE: kiln_gate_bounds(op, b); return;
     default: kiln_bounds_fail(b, "kind %d is no op", op->kind);
     }
 }

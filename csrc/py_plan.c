@@ -609,6 +609,9 @@ static const struct {
     FIELD(sh_scale, 'p'), FIELD(down_tiles, 'i'), FIELD(moe_route, 'p'), FIELD(moe_gates, 'p'), FIELD(moe_x, 'p'),
     FIELD(moe_h, 'p'), FIELD(moe_hs, 'p'), FIELD(moe_y, 'p'),
     FIELD(sinks, 'p'), FIELD(exp_gate_b, 'p'), FIELD(exp_up_b, 'p'), FIELD(exp_down_b, 'p'),
+    FIELD(dn_z, 'p'), FIELD(dn_alpha, 'p'), FIELD(dn_beta, 'p'), FIELD(dn_decay, 'p'), FIELD(dn_dt_bias, 'p'),
+    FIELD(dn_mixed, 'p'), FIELD(dn_matrices, 'p'), FIELD(dn_k_heads, 'i'), FIELD(dn_v_heads, 'i'),
+    FIELD(dn_k_dim, 'i'), FIELD(dn_v_dim, 'i'),
 };
 
 static PyObject *py_op_layout(PyObject *self, PyObject *noargs) {
@@ -753,7 +756,7 @@ int kiln_plan_add_types(PyObject *module) {
         {"OPC_NORM", OPC_NORM}, {"OPC_HEAD", OPC_HEAD}, {"OPC_EMBED", OPC_EMBED}, {"ACT_SILU", ACT_SILU}, {"ACT_GELU_TANH", ACT_GELU_TANH}, {"ACT_SWIGLU_OAI", ACT_SWIGLU_OAI},
         {"ATTN_BLOCK", ATTN_BLOCK}, {"ATTN_SPAN", ATTN_SPAN}, {"ACT_KIND_Q8", KILN_ACT_Q8},
         {"POOL_MAX_CHUNKS", KILN_POOL_MAX_CHUNKS}, {"SAMPLE_MAX_WINDOW", KILN_SAMPLE_MAX_WINDOW},
-        {"OP_SHORTCONV", OP_SHORTCONV},
+        {"OP_SHORTCONV", OP_SHORTCONV}, {"OP_DELTANET", OP_DELTANET}, {"OP_GATE", OP_GATE},
         {"OP_MOE", OP_MOE}, {"MOE_SOFTMAX", MOE_SOFTMAX}, {"MOE_SOFTMAX_SELECTED", MOE_SOFTMAX_SELECTED},
     };
     for (size_t i = 0; i < sizeof constants / sizeof *constants; i++)

@@ -338,11 +338,13 @@ class GGUFFile:
     # --- tensor data ------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
         """A tensor, or rows of one (`row_view`): a run of whole rows is contiguous in the file."""
-        view = parse_row_view(name)
-        base = view[0] if view else name
+        view, heads = parse_row_view(name), parse_head_view(name)
+        base = view[0] if view else heads[0] if heads else name
         if base not in self.tensors:
             raise ModelFileError(f"{self.path}: required tensor {base!r} is missing")
         t = self.tensors[base]
+        if heads is not None:
+            return self._head_view_info(name, t, *heads[1:])
         if view is None:
             return t
         _, start, stop = view
@@ -356,14 +358,34 @@ class GGUFFile:
         at = lambda row: tensor_nbytes(t.type, (row, *t.shape[1:]))  # noqa: E731
         return TensorInfo(name, t.type, (stop - start, *t.shape[1:]), t.offset + at(start), at(stop) - at(start))
 
+    def _head_view_info(self, name: str, t: TensorInfo, part: int, parts: int, rows: int) -> TensorInfo:
+        """Rows of one part of every head (`head_view`): not contiguous, so `raw` and `read` gather them;
+        the offset is the whole tensor's."""
+        if len(t.shape) != 2 or not 0 <= part < parts or t.shape[0] % (parts * rows):
+            raise ModelFileError(f"{self.path}: tensor {t.name!r} has {t.shape[0]} rows, not heads of {parts} "
+                                 f"parts of {rows} rows each")
+        n = t.shape[0] // parts
+        return TensorInfo(name, t.type, (n, t.shape[1]), t.offset, t.nbytes // parts)
+
+    def _gather_heads(self, name: str, whole: np.ndarray) -> np.ndarray:
+        _, part, parts, rows = parse_head_view(name)
+        heads = whole.reshape(-1, parts, rows, *whole.shape[1:])
+        return np.ascontiguousarray(heads[:, part]).reshape(-1, *whole.shape[1:])
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored: (rows, bytes per row) uint8 for quantized types, typed for floats."""
+        heads = parse_head_view(name)
+        if heads is not None:
+            return self._gather_heads(name, self.raw(heads[0]))
         t = self.info(name)
         return _typed(self._map[t.offset : t.offset + t.nbytes], t)
 
     def read(self, name: str) -> np.ndarray:
         """A copy of the tensor's bytes, read without touching the memory map: small tensors (norms,
         biases) sit between large ones, and a page fault may map a large folio of the file around them."""
+        heads = parse_head_view(name)
+        if heads is not None:
+            return self._gather_heads(name, self.read(heads[0]))
         t = self.info(name)
         data = np.frombuffer(os.pread(self._fd, t.nbytes, t.offset), dtype=np.uint8)
         return _typed(data, t)
@@ -470,3 +492,17 @@ def row_view(name: str, start: int, stop: int) -> str:
 def parse_row_view(name: str) -> tuple[str, int, int] | None:
     m = _ROW_VIEW.fullmatch(name)
     return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+
+
+_HEAD_VIEW = re.compile(r"(.+)\[(\d+)/(\d+)x(\d+)\]")
+
+
+def head_view(name: str, part: int, parts: int, rows: int) -> str:
+    """The name of part `part` of every head of a matrix whose heads are `parts` runs of `rows` rows each
+    (Qwen3.5's attn_q: each head's queries, then its output gate), as a matrix of its own."""
+    return f"{name}[{part}/{parts}x{rows}]"
+
+
+def parse_head_view(name: str) -> tuple[str, int, int, int] | None:
+    m = _HEAD_VIEW.fullmatch(name)
+    return (m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))) if m else None

@@ -93,6 +93,11 @@ class Shape:
     long_rope: int = 0  # LongRoPE's original context (Phi-3): short and long factors are written when set
     attention_layers: tuple[int, ...] = ()  # hybrids (lfm2): the layers that attend; the others convolve
     conv_length: int = 3
+    # qwen35's DeltaNet layers: key heads, value heads, a key head's and a value head's width; every
+    # `full_attention_interval`-th layer attends, over `rope_sections` (its multimodal RoPE's pairs)
+    delta_net: tuple[int, int, int, int] = ()
+    full_attention_interval: int = 4
+    rope_sections: tuple[int, ...] = ()
     metadata: tuple[tuple[str, object], ...] = ()  # (key after "<arch>.", value): the switches a variant sets
     llama3_rope: tuple[float, float, float, int] | None = None  # factor, low and high freq factors, old context
 
@@ -138,6 +143,11 @@ SHAPES = {
     "tiny-lfm2": Shape("lfm2", 64, 4, 4, 2, 16, 128, 512, attention_layers=(1, 3)),
     "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, context_length=128000,
                        attention_layers=(2, 5, 8, 10, 12, 14)),
+    "tiny-qwen35": Shape("qwen35", 64, 4, 4, 2, 16, 128, 512, rope_dim=4, conv_length=4, delta_net=(2, 4, 16, 8),
+                         full_attention_interval=2, rope_sections=(1, 1, 0, 0)),
+    # Qwen3.5-0.8B's text model
+    "qwen3.5-0.8b": Shape("qwen35", 1024, 24, 8, 2, 256, 3584, 248320, context_length=262144, rope_dim=64,
+                          conv_length=4, delta_net=(16, 16, 128, 128), rope_sections=(11, 11, 10, 0)),
     "tiny-llama-yarn": Shape("llama", 64, 2, 4, 2, 16, 128, 512, context_length=256, tied=False, metadata=_YARN),
     "tiny-qwen2-yarn": Shape("qwen2", 64, 2, 4, 2, 16, 128, 512, context_length=256, metadata=_YARN),
     "tiny-qwen3-yarn": Shape("qwen3", 64, 2, 4, 2, 128, 160, 512, context_length=256, tied=False,
@@ -331,8 +341,8 @@ def write_random_gguf(path: str | Path, shape: Shape | str, qtype: QT = QT.F32, 
         data = _tensor(rng, (rows, cols), 1.0 / np.sqrt(cols))
         _add(w, name, data, quant)
 
-    def norm(name, n):
-        _add(w, name, 1.0 + _tensor(rng, (n,), 0.1), QT.F32)
+    def norm(name, n, center=1.0, spread=0.1):
+        _add(w, name, center + _tensor(rng, (n,), spread), QT.F32)
 
     hd, q_dim, kv_dim = shape.head_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     if random_blocks and (embed_qtype or qtype) in _BLOCK_SCALES:
@@ -721,6 +731,64 @@ def _lfm2_layer(p: str, i: int, shape: Shape, matrix: Callable, norm: Callable) 
     matrix(p + "ffn_down.weight", d, shape.ffn_dim)
 
 
+# Qwen3.5's generation prompt opens the reasoning block, or renders it empty when thinking is off
+QWEN35_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def _qwen35_metadata(w: gguf.GGUFWriter, shape: Shape) -> None:
+    n_k, n_v, k_dim, v_dim = shape.delta_net
+    w.add_ssm_conv_kernel(shape.conv_length)
+    w.add_ssm_state_size(k_dim)
+    w.add_ssm_group_count(n_k)
+    w.add_ssm_time_step_rank(n_v)
+    w.add_ssm_inner_size(n_v * v_dim)
+    w.add_full_attention_interval(shape.full_attention_interval)
+    if shape.rope_sections:
+        w.add_rope_dimension_sections(list(shape.rope_sections))
+
+
+def _qwen35_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
+    _bpe_tokenizer(w, shape, rng, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], "qwen2",
+                   0, 2, QWEN35_TEMPLATE)
+
+
+def _qwen35_layer(p: str, i: int, shape: Shape, matrix: Callable, norm: Callable) -> None:
+    """llama.cpp's layout: attn_q holds each head's queries then its gate; a DeltaNet's value heads are in
+    tiled order (value head j reads key head j % key heads)."""
+    d, hd = shape.dim, shape.head_dim
+    norm(p + "attn_norm.weight", d)
+    if (i + 1) % shape.full_attention_interval == 0:
+        q_dim, kv_dim = shape.n_heads * hd, shape.n_kv_heads * hd
+        matrix(p + "attn_q.weight", 2 * q_dim, d)
+        matrix(p + "attn_k.weight", kv_dim, d)
+        matrix(p + "attn_v.weight", kv_dim, d)
+        matrix(p + "attn_output.weight", d, q_dim)
+        norm(p + "attn_q_norm.weight", hd)
+        norm(p + "attn_k_norm.weight", hd)
+    else:
+        n_k, n_v, k_dim, v_dim = shape.delta_net
+        width = 2 * n_k * k_dim + n_v * v_dim
+        matrix(p + "attn_qkv.weight", width, d)
+        matrix(p + "attn_gate.weight", n_v * v_dim, d)
+        matrix(p + "ssm_alpha.weight", n_v, d)
+        matrix(p + "ssm_beta.weight", n_v, d)
+        # float, as llama.cpp's quantizer leaves the convolution and the per-head vectors
+        matrix(p + "ssm_conv1d.weight", width, shape.conv_length, QT.F32)
+        norm(p + "ssm_a", n_v, center=-1.0, spread=0.2)  # -exp(A_log): every head decays
+        norm(p + "ssm_dt.bias", n_v, center=0.0, spread=0.5)
+        norm(p + "ssm_norm.weight", v_dim)
+        matrix(p + "ssm_out.weight", d, n_v * v_dim)
+    norm(p + "post_attention_norm.weight", d)
+    matrix(p + "ffn_gate.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_up.weight", shape.ffn_dim, d)
+    matrix(p + "ffn_down.weight", d, shape.ffn_dim)
+
+
 def _phi3_tokenizer(w: gguf.GGUFWriter, shape: Shape, rng) -> None:
     """Phi-4-mini's layout: a byte-level BPE vocabulary split by GPT-4o's pre-tokenizer, the specials last,
     <|endoftext|> both BOS and EOS."""
@@ -746,6 +814,7 @@ FAMILY_WRITERS: dict[str, FamilyWriter] = {
     # fails on a byte-level vocabulary without </s>, <unk> and <s>; Phi-4-mini's files are named "Phi 4 ..."
     "phi3": FamilyWriter(lambda w, shape: None, _phi3_tokenizer, model_name="Phi-4-mini-like"),
 }
+FAMILY_WRITERS["qwen35"] = FamilyWriter(_qwen35_metadata, _qwen35_tokenizer, _qwen35_layer)
 FAMILY_WRITERS["olmoe"] = FamilyWriter(lambda w, shape: None, _olmo2_tokenizer)
 
 

@@ -143,11 +143,15 @@ def kv_write_bytes(nplan) -> int:
 
 def state_bytes(nplan) -> tuple[int, int]:
     """fp32 recurrent state one decode row reads (the inputs before its own that each convolution's taps
-    reach) and writes (its own input), summed over the convolution ops: the same at any position."""
+    reach, and a DeltaNet's matrices) and writes (its own input, and the matrices), summed over the
+    recurrent ops: the same at any position."""
     from kiln import _native
 
-    convs = [op for op in nplan.ops if op["kind"] == _native.OP_SHORTCONV]
-    return (sum(4 * (op["conv_len"] - 1) * op["cols"] for op in convs), sum(4 * op["cols"] for op in convs))
+    ops = [op for op in nplan.ops if op["kind"] in (_native.OP_SHORTCONV, _native.OP_DELTANET)]
+    matrices = sum(4 * op["dn_v_heads"] * op["dn_k_dim"] * op["dn_v_dim"] for op in ops
+                   if op["kind"] == _native.OP_DELTANET)
+    return (sum(4 * (op["conv_len"] - 1) * op["cols"] for op in ops) + matrices,
+            sum(4 * op["cols"] for op in ops) + matrices)
 
 
 def dispatch_figures(engine, position: int = 0) -> dict:

@@ -40,6 +40,9 @@ class ScriptedEngine:
     def snapshot(self, slot, position):
         pass
 
+    def checkpoint(self, slot, position):
+        pass
+
     def step(self, tokens, slots, positions, out_rows):
         self.steps.append({"tokens": list(tokens), "slots": list(slots), "positions": list(positions),
                            "out_rows": list(out_rows)})

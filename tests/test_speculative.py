@@ -107,6 +107,9 @@ class BigramEngine:
     def snapshot(self, slot, position):
         pass
 
+    def checkpoint(self, slot, position):
+        pass
+
 
 class SkewedDrafter:
     """Drafts from a fixed distribution q that disagrees with the target (it favours the target's least

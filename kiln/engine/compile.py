@@ -12,6 +12,8 @@ arrays. `Lowering` then walks that small graph and emits the fused ops the C exe
     layernorm → linear          NORM_QUANT with the mean subtracted and the norm's bias added
     add(x, rmsnorm(linear(h)))  MATMUL + NORM_ADD (Gemma's post-norms)
     glu(h, gate, up)            GLU (both projections and the activation in one pass)
+    delta_net(qkv, z, a, b)     MATMULs (no residual) + DELTANET over the slot's rings and matrices
+    gate(attention, linear(h))  GATE (the attention's sigmoid output gate), then the output projection
     add(x, moe(h))              MOE (routing, the chosen experts' GLUs and down projections with their
                                 biases, a shared expert, the weighted sum and the residual: csrc/op_moe.c)
     logits(rmsnorm(x))          NORM_QUANT of the rows that need logits + LOGITS (soft-capped last)
@@ -75,6 +77,12 @@ class Recorder:
     def moe(self, x, experts):
         return Node("moe", (x,), {"experts": experts})
 
+    def delta_net(self, layer, qkv, z, alpha, beta, weights, net):
+        return Node("delta_net", (qkv, z, alpha, beta), {"layer": layer, "weights": weights, "net": net})
+
+    def gate(self, x, gate):
+        return Node("gate", (x, gate))
+
 
 @dataclass(eq=False)
 class Buf:
@@ -94,7 +102,8 @@ class Lowering:
 
     def __init__(self, native, weights, config, rows: int, out_rows: int, n_ctx: int, threads: int, kv, ropes,
                  negate_layer: int | None = None, state=None, kv_type: int = 0):
-        """`state(layer)`: a convolution layer's rings (float32, [slots][ring][width]) and ring length.
+        """`state(layer)`: a recurrent layer's rings (float32, [slots][ring][width]), ring length and, for a
+        DeltaNet, its matrices (float32, [slots][v heads * k_dim * v_dim]; else None).
         `kv_type`: the KV cache's layout, an index into kiln.engine.kv.KV_CACHE_TYPES."""
         self.kv_type = kv_type
         self.n, self.weights, self.cfg, self.rows, self.out_rows = native, weights, config, rows, out_rows
@@ -216,7 +225,7 @@ class Lowering:
         c = self.cfg
         if node.kind in ("embed", "add", "moe"):
             return c.dim
-        if node.kind in ("rmsnorm", "layernorm", "activation"):
+        if node.kind in ("rmsnorm", "layernorm", "activation", "gate"):
             return self._width(node.inputs[0])
         if node.kind == "glu":
             return self.weights.matrix(node.params["gate"]).layout["rows"]
@@ -227,6 +236,9 @@ class Lowering:
             return self.weights.matrix(node.params["weight"]).layout["rows"]
         if node.kind == "shortconv":
             return node.params["conv"].width
+        if node.kind == "delta_net":
+            net = node.params["net"]
+            return net.n_v_heads * net.v_dim
         raise CompileError(f"width of {node.kind} is unknown")
 
     # ---- lowering rules ------------------------------------------------------------------------------
@@ -395,11 +407,32 @@ class Lowering:
 
     def _value_shortconv(self, node: Node) -> Buf:
         conv, layer = node.params["conv"], node.params["layer"]
-        rings, ring = self.state(layer)
+        rings, ring, _ = self.state(layer)
         out = self._floats(conv.width)
         self._emit(kind=self.n.OP_SHORTCONV, op_class=self.n.OPC_ATTENTION, layer=layer, cols=conv.width,
                    in_=self.value(node.inputs[0]), out=out, conv_w=self.weights.vector(node.params["weight"]),
                    state=rings, conv_len=conv.length, state_len=ring)
+        return out
+
+    def _value_delta_net(self, node: Node) -> Buf:
+        net, weights, layer = node.params["net"], node.params["weights"], node.params["layer"]
+        qkv, z, alpha, beta = (self.value(x) for x in node.inputs)
+        rings, ring, matrices = self.state(layer)
+        out = self._floats(net.n_v_heads * net.v_dim)
+        self._emit(kind=self.n.OP_DELTANET, op_class=self.n.OPC_ATTENTION, layer=layer, cols=net.width, in_=qkv,
+                   dn_z=z, dn_alpha=alpha, dn_beta=beta, out=out, dn_mixed=self._floats(net.width),
+                   conv_w=self.weights.vector(weights.conv), state=rings, conv_len=net.length, state_len=ring,
+                   dn_decay=self.weights.vector(weights.decay), dn_dt_bias=self.weights.vector(weights.dt_bias),
+                   norm_w=self.weights.vector(weights.norm), eps=net.eps, dn_matrices=matrices,
+                   dn_k_heads=net.n_k_heads, dn_v_heads=net.n_v_heads, dn_k_dim=net.k_dim, dn_v_dim=net.v_dim,
+                   chunk_heads=-(-net.n_v_heads // (2 * self.threads)))
+        return out
+
+    def _value_gate(self, node: Node) -> Buf:
+        width = self._width(node)
+        out = self._floats(width)
+        self._emit(kind=self.n.OP_GATE, op_class=self.n.OPC_NORM, cols=width, in_=self.value(node.inputs[0]),
+                   dn_z=self.value(node.inputs[1]), out=out)
         return out
 
     @staticmethod

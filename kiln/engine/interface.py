@@ -60,6 +60,10 @@ class Engine(Protocol):
         """Keep the recurrent state before `position` aside, so the slot can later continue there (a
         prompt's end, for the next turn); nothing without a recurrent state."""
 
+    def checkpoint(self, slot: int, position: int) -> None:
+        """Before a step that may be undone (a draft to verify): snapshot the state at `position` where it
+        cannot rewind past the step's rows (a DeltaNet's matrices); nothing where it can."""
+
     def set_debug_negate(self, layer: int | None) -> None:
         """Break one layer on purpose, to show that accuracy checks fail."""
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from kiln.errors import ContextLengthError, KilnError
-from kiln.models.base import ModelConfig, ShortConv
+from kiln.models.base import DeltaNet, ModelConfig, recurrent_layers
 
 try:
     from kiln import _native
@@ -129,10 +129,11 @@ class StateWindow:
     """Where each slot's recurrent state can continue from. A convolution layer keeps its recent inputs in
     a ring indexed by position: the `length - 1` a position reads and `window` more, so that a slot
     resumes anywhere from `window` positions behind the furthest it has written (past rejected draft
-    tokens, or a prompt that shares less than the slot holds) up to where it stopped. Besides the ring,
-    each slot keeps one snapshot: the inputs before one position (the end of its last prompt), so a later
-    turn that extends that prompt resumes there however far the reply ran on. Both engines run every
-    step's rows through `advance`."""
+    tokens, or a prompt that shares less than the slot holds) up to where it stopped. A DeltaNet's
+    matrices hold no history, so with them the window is 0: a slot continues only where it stopped. Besides
+    the state, each slot keeps one snapshot: the state before one position (the end of its last prompt), so
+    a later turn that extends that prompt resumes there however far the reply ran on. Both engines run
+    every step's rows through `advance`."""
 
     def __init__(self, n_slots: int, length: int, window: int):
         self.window, self.ring, self.length = window, window + length - 1, length
@@ -152,17 +153,17 @@ class StateWindow:
         return self.snapshot[slot] if 0 < self.snapshot[slot] <= position else 0
 
     def advance(self, slots, positions, restore) -> None:
-        """Note a step's rows; `restore(slot, position)` puts a slot's snapshot back into its rings first
-        when the slot continues from it. A row that continues where the state cannot is a kiln bug."""
+        """Note a step's rows; `restore(slot, position)` puts a slot's snapshot back into its state first
+        when the slot continues from it (from 0: a DeltaNet's matrices start from zeros). A row that
+        continues where the state cannot is a kiln bug."""
         seen = set()
         for s, p in zip(slots, positions):
             if s not in seen:
                 seen.add(s)
                 if p != self.resume_point(s, p):
                     raise KilnError(f"slot {s}'s recurrent state cannot continue at position {p}")
-                if not self._live(s, p):  # from the snapshot, or from 0: the rings hold nothing newer
-                    if p:
-                        restore(s, p)
+                if not self._live(s, p):  # from the snapshot, or from 0: the state holds nothing newer
+                    restore(s, p)
                     self.floor[s] = self.top[s] = p
             self.end[s] = p + 1
             self.top[s] = max(self.top[s], p + 1)
@@ -172,36 +173,56 @@ class StateWindow:
         return [q % self.ring for q in range(max(0, position - self.length + 1), position)]
 
     def take_snapshot(self, slot: int, position: int) -> bool:
-        """Whether the rings hold the inputs before `position` (then the caller copies them)."""
-        if self.resume_point(slot, position) != position:
+        """Whether the state itself holds what comes before `position` (then the caller copies it); a
+        snapshot already at `position` is kept when it no longer does."""
+        if not self._live(slot, position):
             return False
         self.snapshot[slot] = position
         return True
+
+    def needs_checkpoint(self) -> bool:
+        """Whether a step that is undone (rejected draft rows) leaves the slot able to continue only from a
+        snapshot: a state that holds no history."""
+        return self.window == 0
 
     def copy(self, src: int, dst: int) -> None:
         for field in (self.end, self.top, self.floor, self.snapshot):
             field[dst] = field[src]
 
 
-class ConvState:
-    """The oracle's rings (see StateWindow): per convolution layer, (slots, ring, width) float32."""
+def state_window(layers: dict, rows: int) -> int:
+    """How far a slot's state rewinds: a step's rows for convolution rings alone, none with a DeltaNet."""
+    return 0 if any(isinstance(layer, DeltaNet) for layer in layers.values()) else rows
 
-    def __init__(self, layers: dict, n_slots: int, window: int):
+
+class RecurrentState:
+    """The oracle's recurrent state (see StateWindow): per recurrent layer a ring of its convolution's
+    inputs, (slots, ring, width) float32, and per DeltaNet layer its matrices, (slots, v heads, k_dim,
+    v_dim) float32, each with its slot's snapshot."""
+
+    def __init__(self, layers: dict, n_slots: int, rows: int):
         length = max(c.length for c in layers.values())
-        self.positions = StateWindow(n_slots, length, window)
+        self.positions = StateWindow(n_slots, length, state_window(layers, rows))
         self.rings = {i: np.zeros((n_slots, self.positions.ring, c.width), np.float32) for i, c in layers.items()}
         self.snapshots = {i: np.zeros((n_slots, length - 1, c.width), np.float32) for i, c in layers.items()}
+        self.matrices = {i: np.zeros((n_slots, c.n_v_heads, c.k_dim, c.v_dim), np.float32)
+                         for i, c in layers.items() if isinstance(c, DeltaNet)}
+        self.matrix_snapshots = {i: np.zeros_like(m) for i, m in self.matrices.items()}
 
     def snapshot(self, slot: int, position: int) -> None:
         if self.positions.take_snapshot(slot, position):
             rows = self.positions.positions_before(position)
             for i, ring in self.rings.items():
                 self.snapshots[i][slot, : len(rows)] = ring[slot, rows]
+            for i, m in self.matrices.items():
+                self.matrix_snapshots[i][slot] = m[slot]
 
     def restore(self, slot: int, position: int) -> None:
         rows = self.positions.positions_before(position)
         for i, ring in self.rings.items():
             ring[slot, rows] = self.snapshots[i][slot, : len(rows)]
+        for i, m in self.matrices.items():
+            m[slot] = self.matrix_snapshots[i][slot] if position else 0.0
 
     def convolve(self, layer: int, slot: int, start: int, bx: np.ndarray, taps: np.ndarray) -> np.ndarray:
         """The causal depthwise convolution of `bx` (rows at positions start.., width) with `taps`
@@ -216,20 +237,22 @@ class ConvState:
         return out.astype(np.float32, copy=False)
 
     def copy(self, src: int, dst: int) -> None:
-        for ring, snap in zip(self.rings.values(), self.snapshots.values()):
-            ring[dst], snap[dst] = ring[src], snap[src]
+        for arrays in (*self.rings.values(), *self.snapshots.values(), *self.matrices.values(),
+                       *self.matrix_snapshots.values()):
+            arrays[dst] = arrays[src]
         self.positions.copy(src, dst)
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rings.values())
+        return sum(r.nbytes for r in (*self.rings.values(), *self.matrices.values()))
 
 
-def recurrent_state_bytes(cfg: ModelConfig, n_slots: int, window: int) -> int:
-    """What the convolution layers' rings hold for `n_slots` slots (float32; see StateWindow): fixed, whatever
-    the context."""
-    convs = [layer for layer in cfg.layers if isinstance(layer, ShortConv)]
-    if not convs:
+def recurrent_state_bytes(cfg: ModelConfig, n_slots: int, rows: int) -> int:
+    """What the recurrent layers' state holds for `n_slots` slots (float32; see StateWindow): the rings, and
+    a DeltaNet's matrices with each slot's snapshot of them, fixed whatever the context."""
+    layers = recurrent_layers(cfg)
+    if not layers:
         return 0
-    ring = window + max(c.length for c in convs) - 1
-    return 4 * n_slots * ring * sum(c.width for c in convs)
+    ring = state_window(layers, rows) + max(c.length for c in layers.values()) - 1
+    matrices = sum(c.matrix_floats for c in layers.values() if isinstance(c, DeltaNet))
+    return 4 * n_slots * (ring * sum(c.width for c in layers.values()) + 2 * matrices)

@@ -23,13 +23,13 @@ from kiln import __version__
 from kiln.engine.compile import Buf, Lowering, Recorder, assign_offsets, encode_ops
 from kiln.engine.interface import Limits
 from kiln.engine.kv import (KV_CACHE_TYPES, StateWindow, check_kv_cache_type, check_span, kv_head_bytes,
-                            recurrent_state_bytes)
+                            recurrent_state_bytes, state_window)
 from kiln.engine.oracle import rope_angles
 from kiln.engine.repack_cache import RepackCache
 from kiln.errors import KilnError, RequestError
 from kiln.gguf import EXACT_REWRITES, KERNEL_TYPES, GGUFFile, rewrite_exactly
 from kiln.models import Family
-from kiln.models.base import Rope, ShortConv, attention_layers
+from kiln.models.base import DeltaNet, Rope, attention_layers, recurrent_layers
 
 try:
     from kiln import _native
@@ -458,23 +458,29 @@ class NativeEngine:
         plan.plan.run(n, 1)
         return [r[:n].copy() for r in plan.residuals]
 
-    def _allocate_state(self, n_slots: int, window: int) -> None:
-        """Each convolution layer's rings, float32 [slots][ring][width], preallocated with the slots: a
-        rewind of up to a step's rows (`window`) stays within them (kiln/engine/kv.py, StateWindow)."""
-        convs = {i: c for i, c in enumerate(self.config.layers) if isinstance(c, ShortConv)}
+    def _allocate_state(self, n_slots: int, rows: int) -> None:
+        """Each recurrent layer's rings, float32 [slots][ring][width], and a DeltaNet's matrices, float32
+        [slots][v heads * k_dim * v_dim], preallocated with the slots: a rewind of up to a step's rows stays
+        within the rings, and none with matrices (kiln/engine/kv.py, StateWindow)."""
+        layers = recurrent_layers(self.config)
         self.state_arena, self._state, self._snapshots, self.state_positions = None, {}, {}, None
-        if not convs:
+        self._matrices, self._matrix_snapshots = {}, {}
+        if not layers:
             return
-        self.state_positions = StateWindow(n_slots, max(c.length for c in convs.values()), window)
+        self.state_positions = StateWindow(n_slots, max(c.length for c in layers.values()),
+                                           state_window(layers, rows))
         ring = self.state_positions.ring
-        sizes = {i: n_slots * ring * c.width for i, c in convs.items()}
-        self.state_arena = _native.Arena(recurrent_state_bytes(self.config, n_slots, window))
+        sizes = {i: n_slots * ring * c.width for i, c in layers.items()}
+        matrices = {i: n_slots * c.matrix_floats for i, c in layers.items() if isinstance(c, DeltaNet)}
+        self.state_arena = _native.Arena(recurrent_state_bytes(self.config, n_slots, rows))
         whole, at = np.frombuffer(self.state_arena, dtype=np.float32), 0
-        for i, size in sizes.items():
-            self._state[i] = whole[at : at + size].reshape(n_slots, -1)
-            at += size
-        # each slot's snapshot: the inputs before one position (kiln/engine/kv.py, StateWindow)
-        self._snapshots = {i: np.zeros((n_slots, c.length - 1, c.width), np.float32) for i, c in convs.items()}
+        for store, part in ((self._state, sizes), (self._matrices, matrices), (self._matrix_snapshots, matrices)):
+            for i, size in part.items():
+                store[i] = whole[at : at + size].reshape(n_slots, -1)
+                at += size
+        # each slot's snapshot of its rings: the inputs before one position (kiln/engine/kv.py, StateWindow)
+        self._snapshots = {i: np.zeros((n_slots, c.length - 1, c.width), np.float32) for i, c in layers.items()}
+
 
     def _rings(self, layer: int) -> np.ndarray:
         return self._state[layer].reshape(self.n_slots, self.state_positions.ring, -1)
@@ -483,6 +489,8 @@ class NativeEngine:
         rows = self.state_positions.positions_before(position)
         for i, snap in self._snapshots.items():
             self._rings(i)[slot, rows] = snap[slot, : len(rows)]
+        for i, m in self._matrices.items():
+            m[slot] = self._matrix_snapshots[i][slot] if position else 0.0
 
     def snapshot(self, slot: int, position: int) -> None:
         """Keep the state before `position` aside, so the slot can continue there however far it runs on."""
@@ -490,19 +498,28 @@ class NativeEngine:
             rows = self.state_positions.positions_before(position)
             for i, snap in self._snapshots.items():
                 snap[slot, : len(rows)] = self._rings(i)[slot, rows]
+            for i, m in self._matrices.items():
+                self._matrix_snapshots[i][slot] = m[slot]
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        """Snapshot the state at `position` before a step that may be undone, where it cannot rewind."""
+        if self.state_positions is not None and self.state_positions.needs_checkpoint():
+            self.snapshot(slot, position)
 
     @property
     def state_bytes_per_slot(self) -> int:
-        """The recurrent state one slot holds, whatever its context: kiln validate's memory fit."""
-        return sum(s[0].nbytes for s in self._state.values())
+        """The recurrent state one slot holds (a DeltaNet's snapshot of its matrices too), whatever its
+        context: kiln validate's memory fit."""
+        return sum(s[0].nbytes for s in (*self._state.values(), *self._matrices.values(),
+                                         *self._matrix_snapshots.values()))
 
     # ---- resources the lowering asks for ---------------------------------------------------------
     def kv_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         i = self.kv_index[layer]
         return self._kv[i, 0], self._kv[i, 1]
 
-    def state_layer(self, layer: int) -> tuple[np.ndarray, int]:
-        return self._state[layer], self.state_positions.ring
+    def state_layer(self, layer: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+        return self._state[layer], self.state_positions.ring, self._matrices.get(layer)
 
     def rope_table(self, rope: Rope) -> tuple[np.ndarray, np.ndarray]:
         if rope not in self.ropes:
@@ -575,8 +592,9 @@ class NativeEngine:
         kv = self._kv.reshape(len(self.kv_index), 2, self.n_slots, cfg.n_kv_heads, -1)
         n = kv_head_bytes(self.kv_type, -(-length // 8) * 8, cfg.head_dim)
         kv[:, :, dst, :, :n] = kv[:, :, src, :, :n]
-        for rings, snap in zip(self._state.values(), self._snapshots.values()):
-            rings[dst], snap[dst] = rings[src], snap[src]
+        for state in (*self._state.values(), *self._snapshots.values(), *self._matrices.values(),
+                      *self._matrix_snapshots.values()):
+            state[dst] = state[src]
         if self.state_positions is not None:
             self.state_positions.copy(src, dst)
 

@@ -9,10 +9,31 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.engine.interface import Limits
-from kiln.engine.kv import ConvState, KVCache, check_kv_cache_type, check_span
+from kiln.engine.kv import KVCache, RecurrentState, check_kv_cache_type, check_span
 from kiln.gguf import GGUFFile
 from kiln.models import Family
-from kiln.models.base import Attention, Rope, ShortConv
+from kiln.models.base import Attention, Rope, recurrent_layers
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def l2_normalized(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / sqrt(|x|² + eps) over the last axis (the DeltaNet's q and k heads, as transformers' l2norm)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+
+
+def gated_delta_rule(state: np.ndarray, q, k, v, decay, rate) -> np.ndarray:
+    """Per row, in order: the matrices (heads, k_dim, v_dim) decay, then move toward v along k at `rate`
+    (the delta rule); the row's output is q read through them. Updates `state` in place."""
+    out = np.empty(v.shape, np.float32)
+    for t in range(len(q)):
+        state *= decay[t][:, None, None]
+        recalled = np.einsum("hkv,hk->hv", state, k[t])
+        state += k[t][:, :, None] * ((v[t] - recalled) * rate[t][:, None])[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", state, q[t])
+    return out
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -167,7 +188,24 @@ class NumpyOps:
 
     def shortconv(self, layer, bcx, weight, conv):
         b, c, x = np.split(bcx, 3, axis=1)
-        return c * self.e.conv.convolve(layer, self.slot, int(self.positions[0]), b * x, self.e.weight(weight))
+        return c * self.e.state.convolve(layer, self.slot, int(self.positions[0]), b * x, self.e.weight(weight))
+
+    def delta_net(self, layer, qkv, z, alpha, beta, weights, net):
+        t, key_width = len(qkv), net.n_k_heads * net.k_dim
+        mixed = silu(self.e.state.convolve(layer, self.slot, int(self.positions[0]), qkv, self.e.weight(weights.conv)))
+        tiled = net.n_v_heads // net.n_k_heads  # value head j reads key head j % n_k_heads
+        q, k = (np.tile(l2_normalized(part.reshape(t, net.n_k_heads, net.k_dim)), (1, tiled, 1))
+                for part in (mixed[:, :key_width], mixed[:, key_width : 2 * key_width]))
+        v = mixed[:, 2 * key_width :].reshape(t, net.n_v_heads, net.v_dim)
+        step = np.logaddexp(np.float32(0), alpha + self.e.weight(weights.dt_bias))  # softplus
+        decay = np.exp(self.e.weight(weights.decay) * step).astype(np.float32)
+        out = gated_delta_rule(self.e.state.matrices[layer][self.slot], q / np.float32(np.sqrt(net.k_dim)), k, v,
+                               decay, sigmoid(beta).astype(np.float32))
+        out = self.rmsnorm(out.reshape(t, -1), weights.norm, net.eps, heads=net.n_v_heads)
+        return out * silu(z)
+
+    def gate(self, x, gate):
+        return x * sigmoid(gate)
 
     def moe(self, x, e):
         chosen, weights = route(self.linear(x, e.router, e.router_bias), e)
@@ -211,9 +249,9 @@ class OracleEngine:
             check_kv_cache_type(kv_type, cfg.head_dim)
         self.kv_type = kv_type or "f16"
         self.kv = KVCache(cfg.n_layers, n_slots, n_ctx, cfg.n_kv_heads, cfg.head_dim, kv_dtype, kv_type)
-        convs = {i: layer for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)}
+        recurrent = recurrent_layers(cfg)
         # rewinds of up to a step's rows, as the native engine's (see StateWindow)
-        self.conv = ConvState(convs, n_slots, self.limits.rows) if convs else None
+        self.state = RecurrentState(recurrent, n_slots, self.limits.rows) if recurrent else None
         self._weights: dict[str, np.ndarray] = {}
         self._inv_freq: dict[Rope, np.ndarray] = {}
         self.negate_layer: int | None = None  # debug: flip one layer's attention output
@@ -237,8 +275,8 @@ class OracleEngine:
         tokens = np.asarray(tokens, dtype=np.int64)
         check_span(start, len(tokens), self.n_ctx)
         ops = NumpyOps(self, tokens, slot, start, all_logits)
-        if self.conv is not None:
-            self.conv.positions.advance([slot] * len(tokens), ops.positions, self.conv.restore)
+        if self.state is not None:
+            self.state.positions.advance([slot] * len(tokens), ops.positions, self.state.restore)
         logits = self.forward_fn(ops, self.config)
         self.last_hidden, self.last_final = ops.hidden, ops.final
         return logits if all_logits else logits[0]
@@ -278,15 +316,19 @@ class OracleEngine:
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         self.kv.copy(src, dst, length)
-        if self.conv is not None:
-            self.conv.copy(src, dst)
+        if self.state is not None:
+            self.state.copy(src, dst)
 
     def resume_point(self, slot: int, position: int) -> int:
-        return position if self.conv is None else self.conv.positions.resume_point(slot, position)
+        return position if self.state is None else self.state.positions.resume_point(slot, position)
 
     def snapshot(self, slot: int, position: int) -> None:
-        if self.conv is not None:
-            self.conv.snapshot(slot, position)
+        if self.state is not None:
+            self.state.snapshot(slot, position)
+
+    def checkpoint(self, slot: int, position: int) -> None:
+        if self.state is not None and self.state.positions.needs_checkpoint():
+            self.state.snapshot(slot, position)
 
     def close(self) -> None:
         self._weights.clear()

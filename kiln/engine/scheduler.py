@@ -316,7 +316,10 @@ class Scheduler:
         decoding = decoding[: min(self.max_decode, self.max_out - 1) if prefilling else self.max_decode]
         for req, draft in zip(decoding, self._drafts(decoding)):
             if draft is not None:
-                batch.add(req, [req.seq.output_ids[-1], *draft.tokens], 1 + len(draft.tokens), draft)
+                if draft.tokens:  # a state that cannot rewind past rejected rows keeps where they start
+                    self.engine.checkpoint(req.seq.slot, req.fed)
+                # what the slot lacks: the last token, and the accepted ones a state without history re-feeds
+                batch.add(req, [*req.seq.all_ids[req.fed :], *draft.tokens], 1 + len(draft.tokens), draft)
         # The oldest prompt takes up to a chunk; later ones join whole while the step stays within the
         # decode batch's rows, where a row costs far less than its share (the weights are read once for
         # all). Beyond that a row costs the same in any step, and prompts one after another give the
@@ -340,7 +343,8 @@ class Scheduler:
     def _drafts(self, decoding: list[Request]) -> list[Draft | None]:
         """Each decoding request's draft (empty when it does not speculate), sized to the rows and logits
         one step can take with a prompt's last row to spare; None for one whose drafter failed."""
-        rows, outs = self.max_rows - len(decoding), self.max_out - len(decoding) - 1
+        rows = self.max_rows - sum(len(r.seq.all_ids) - r.fed for r in decoding)
+        outs = self.max_out - len(decoding) - 1
         jobs = []
         for i, req in enumerate(decoding):
             k = min(draft_limit(req.seq), rows, outs)
@@ -426,6 +430,9 @@ class Scheduler:
                     break
             if draft is not None:  # the slot holds the KV of the accepted draft tokens, not the rejected ones
                 req.fed -= len(draft.tokens) - min(appended, len(tokens) - 1)
+                # a recurrent state without history continues from the draft's checkpoint: the accepted
+                # tokens are fed again with the next step
+                req.fed = self.engine.resume_point(seq.slot, req.fed)
             if seq.finished:
                 with self._cv:
                     self._retire(req, seq.finish_reason)

@@ -274,9 +274,13 @@ class ModelDrafter:
             positions += range(fed, len(ids))
             out_rows.append(len(tokens) - 1)
             work.append((seq, k, ids, [], None if seq.sampler.params.temperature == 0.0 else []))
-        drafts = {}
+        drafts, first = {}, True
         while work:
             logits = self._step(tokens, slots, positions, out_rows)
+            if first:  # a draft state that cannot rewind keeps the context's end, where the next draft starts
+                for seq, _, ids, _, _ in work:
+                    self.engine.checkpoint(seq.slot, len(ids))
+                first = False
             tokens, slots, positions, out_rows, going = [], [], [], [], []
             for (seq, k, ids, chosen, q), row in zip(work, logits):
                 chosen.append(self._choose(seq, ids + chosen, row, q))

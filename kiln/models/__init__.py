@@ -11,7 +11,7 @@ from kiln.errors import UnsupportedModelError
 from kiln.gguf import GGUFFile
 from kiln.models import gemma2, gemma3, lfm2, llama, qwen
 from kiln.models import granite, olmo2, smollm3
-from kiln.models import phi2, phi3
+from kiln.models import phi2, phi3, qwen35
 from kiln.models import gptoss, granitemoe, olmoe, qwenmoe
 from kiln.models.base import Meta, ModelConfig
 from kiln.models.check import check_tensors, check_tokenizer_metadata
@@ -19,7 +19,8 @@ from kiln.models.check import check_tensors, check_tokenizer_metadata
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": qwen, "qwen3": qwen, "gemma3": gemma3,
                                    "granite": granite, "olmo2": olmo2, "smollm3": smollm3, "phi3": phi3, "phi2": phi2,
                                    "lfm2": lfm2, "gemma2": gemma2, "qwen2moe": qwenmoe, "qwen3moe": qwenmoe,
-                                   "olmoe": olmoe, "granitemoe": granitemoe, "gpt-oss": gptoss}
+                                   "olmoe": olmoe, "granitemoe": granitemoe, "gpt-oss": gptoss,
+                                   "qwen35": qwen35}
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,41 @@ class ShortConv:
     length: int  # taps, the current position included
 
 
+@dataclass(frozen=True)
+class DeltaNet:
+    """A Gated DeltaNet layer (Qwen3.5's linear attention): a causal depthwise convolution of `length` taps
+    over the fused q, k, v projection (`width` channels), then the gated delta rule, whose state is one
+    [k_dim x v_dim] matrix per value head. Value head j reads key head j % n_k_heads (llama.cpp's tiled
+    order, which its converter writes the value heads in)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    k_dim: int  # a query or key head's width
+    v_dim: int
+    length: int  # the convolution's taps, the current position included
+    eps: float  # the output norm's
+
+    @property
+    def width(self) -> int:
+        return 2 * self.n_k_heads * self.k_dim + self.n_v_heads * self.v_dim
+
+    @property
+    def matrix_floats(self) -> int:
+        """The floats of the recurrent matrices one slot holds for this layer."""
+        return self.n_v_heads * self.k_dim * self.v_dim
+
+
+@dataclass(frozen=True)
+class DeltaNetWeights:
+    """A DeltaNet layer's own tensors, by GGUF name: the convolution's taps (channels x taps), the per-head
+    decay rate A (-exp(A_log), as llama.cpp stores it), the time step's bias, and the output norm."""
+
+    conv: str
+    decay: str
+    dt_bias: str
+    norm: str
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -183,6 +218,12 @@ class Ops(Protocol):
     # b, c, x = thirds of `bcx`; c * conv(b * x) with the depthwise causal kernel `weight` (channels x taps)
     def shortconv(self, layer: int, bcx: Any, weight: str, conv: ShortConv) -> Any: ...
     def moe(self, x: Any, experts: Experts) -> Any: ...
+    # the gated delta rule over a slot's state (DeltaNet): conv + SiLU of qkv, L2-normalized q and k, per head
+    # decay exp(A softplus(alpha + dt_bias)) and rate sigmoid(beta); the output RMS-normalized per value
+    # head and gated by silu(z)
+    def delta_net(self, layer: int, qkv: Any, z: Any, alpha: Any, beta: Any, weights: DeltaNetWeights,
+                  net: DeltaNet) -> Any: ...
+    def gate(self, x: Any, gate: Any) -> Any: ...  # x * sigmoid(gate)
 
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
@@ -367,8 +408,10 @@ def attention_layers(cfg: ModelConfig) -> list[int]:
     return [i for i, layer in enumerate(cfg.layers) if isinstance(layer, Attention)]
 
 
-def conv_layers(cfg: ModelConfig) -> list[int]:
-    return [i for i, layer in enumerate(cfg.layers) if isinstance(layer, ShortConv)]
+def recurrent_layers(cfg: ModelConfig) -> dict[int, ShortConv | DeltaNet]:
+    """The layers with a recurrent state, by index: a ring of recent inputs (ShortConv; a DeltaNet's
+    convolution too) and a DeltaNet's matrices."""
+    return {i: layer for i, layer in enumerate(cfg.layers) if isinstance(layer, (ShortConv, DeltaNet))}
 
 
 def active_parameters(gguf: GGUFFile, cfg: ModelConfig) -> int:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.errors import ModelFileError, UnsupportedModelError
-from kiln.gguf import GGUFFile, StringArray, describe, is_int, parse_row_view
-from kiln.models.base import Attention, Experts, ModelConfig, Rope, ShortConv
+from kiln.gguf import GGUFFile, StringArray, describe, is_int, parse_head_view, parse_row_view
+from kiln.models.base import Attention, DeltaNet, DeltaNetWeights, Experts, ModelConfig, Rope, ShortConv
 
 # what the tokenizer's keys hold (llama.cpp's types); per-token arrays have one entry per token
 _TOKENIZER_KINDS = {"tokenizer.ggml.model": "a string", "tokenizer.ggml.pre": "a string",
@@ -46,6 +46,9 @@ class ShapeCheck:
         view = parse_row_view(name)
         if view is not None:
             return self._view_shape(*view)
+        heads = parse_head_view(name)
+        if heads is not None:
+            return self._head_view_shape(*heads)
         self.used.add(name)
         if name not in self.gguf.tensors:
             if name not in self.missing:
@@ -62,6 +65,15 @@ class ShapeCheck:
         if stop > got[0]:
             raise self._wrong(base, (stop, *got[1:]), got)
         return (stop - start, *got[1:])
+
+    def _head_view_shape(self, base: str, part: int, parts: int, rows: int) -> tuple[int, ...] | None:
+        """One part of every head of a matrix: its rows are whole heads of `parts` runs of `rows`."""
+        got = self._shape(base)
+        if got is None:
+            return None
+        if len(got) != 2 or got[0] % (parts * rows):
+            raise self._wrong(base, (-(-got[0] // (parts * rows)) * parts * rows, *got[1:]), got)
+        return (got[0] // parts, got[1])
 
     def check_views(self) -> None:
         for base, end in self.view_ends.items():
@@ -173,6 +185,24 @@ class ShapeCheck:
         self._need(bcx, 3 * conv.width, f"layer {layer}'s convolution input")
         self._expect(weight, conv.width, conv.length)
         return Width(conv.width)
+
+    def delta_net(self, layer, qkv, z, alpha, beta, weights: DeltaNetWeights, net: DeltaNet):
+        if not 0 <= layer < self.cfg.n_layers or net is not self.cfg.layers[layer]:
+            raise ModelFileError(f"{self.gguf.path}: layer {layer} is not one of the config's {self.cfg.n_layers}")
+        self._need(qkv, net.width, f"layer {layer}'s q, k and v")
+        self._need(z, net.n_v_heads * net.v_dim, f"layer {layer}'s output gate")
+        self._need(alpha, net.n_v_heads, f"layer {layer}'s time steps")
+        self._need(beta, net.n_v_heads, f"layer {layer}'s update rates")
+        self._expect(weights.conv, net.width, net.length)
+        for name in (weights.decay, weights.dt_bias):
+            self._expect(name, net.n_v_heads)
+        self._expect(weights.norm, net.v_dim)
+        return Width(net.n_v_heads * net.v_dim)
+
+    def gate(self, x, gate):
+        if x.n is not None:
+            self._need(gate, x.n, "an output gate")
+        return x
 
     def moe(self, x, e: Experts):
         dim, n = self.cfg.dim, e.n_experts
