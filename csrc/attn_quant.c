@@ -191,7 +191,8 @@ AVX2_INLINE void scores_avx2(int t, const float *q, int nq, int hd, const uint8_
 /* One key's block of 32 values as 4 × 8 fp32, dimensions in order. */
 AVX2_INLINE void value_block_8x4(int t, const uint8_t *c, __m256 x[4]) {
     if (t == KV_Q8_0) {
-        for (int k = 0; k < 4; k++) x[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * k))));
+        for (int k = 0; k < 4; k++)
+            x[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * k))));
     } else {
         __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
         __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8)));

@@ -31,7 +31,8 @@ static void store_kv(const kiln_plan *p, const kiln_op *op, int t, int head, int
     int slot = p->slots[t], pos = p->positions[t], hd = op->head_dim;
     uint8_t *at = head_at(p, op, which == 1 ? op->k_cache : op->v_cache, slot, head);
     if (op->kv_type != KV_F16)
-        which == 1 ? kiln_store_key_quant(op->kv_type, row, at, pos, hd) : kiln_store_value_quant(op->kv_type, row, at, pos, hd);
+        which == 1 ? kiln_store_key_quant(op->kv_type, row, at, pos, hd)
+                   : kiln_store_value_quant(op->kv_type, row, at, pos, hd);
     else if (which == 1)
         kiln_store_key(row, (uint16_t *)at, pos, hd);
     else

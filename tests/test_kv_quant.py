@@ -91,17 +91,15 @@ def test_quantized_cache_over_several_parts_matches_the_oracle(kv, tmp_path, isa
     assert rel_err(native.forward([17], 0, 530), oracle.forward([17], 0, 530)) < tol
 
 
-# KLD against the fp16 cache on random tiny models (mean, max): q4_0's steps are 16x q8_0's
+# KLD against the fp16 cache on random tiny models (mean, max): q4_0's steps are 16x q8_0's. tiny-gpt-oss's
+# random attention is the most sensitive to the rounding (its oracle, rounding the same way, measures the
+# same divergence as the native engine), hence bounds of its own.
 KLD_BOUNDS = {"q8_0": (2e-4, 2e-3), "q4_0": (5e-3, 2e-2)}
-
-
-# A tiny random mixture of experts routes many rows on near ties, which the cache's rounding flips (a
-# discrete choice, not the cache's error): gpt-oss's sinks are held against the oracle that rounds alike.
-DENSE_SHAPES_Q = [(shape, options) for shape, options in SHAPES_Q if shape != "tiny-gpt-oss"]
+KLD_BOUNDS_GPT_OSS = {"q8_0": (2e-3, 0.1), "q4_0": (2e-2, 0.1)}
 
 
 @pytest.mark.parametrize("kv", QUANT)
-@pytest.mark.parametrize("shape,options", DENSE_SHAPES_Q)
+@pytest.mark.parametrize("shape,options", SHAPES_Q)
 def test_quantized_cache_against_the_fp16_cache(shape, options, kv, tmp_path):
     gguf = model(tmp_path, shape, **options)
     fam = family_for(gguf)
@@ -109,9 +107,14 @@ def test_quantized_cache_against_the_fp16_cache(shape, options, kv, tmp_path):
     logits = {t: NativeEngine(gguf, fam, n_ctx=96, threads=2, kv_type=t).forward(ids, all_logits=True)
               for t in ("f16", kv)}
     divergence = kld(logits["f16"], logits[kv])
-    mean_bound, max_bound = KLD_BOUNDS[kv]
+    mean_bound, max_bound = (KLD_BOUNDS_GPT_OSS if shape == "tiny-gpt-oss" else KLD_BOUNDS)[kv]
     assert divergence.mean() < mean_bound and divergence.max() < max_bound, (divergence.mean(), divergence.max())
     assert (logits["f16"].argmax(-1) == logits[kv].argmax(-1)).mean() > (0.95 if kv == "q8_0" else 0.85)
+    # the divergence is the format's: the oracle's, with the same rounding in numpy, is the same
+    oracle = {t: OracleEngine(gguf, fam, n_ctx=96, kv_dtype=np.float16 if t == "f16" else np.float32,
+                              kv_type=None if t == "f16" else t).forward(ids, all_logits=True) for t in ("f16", kv)}
+    want = kld(oracle["f16"], oracle[kv]).mean()
+    assert abs(divergence.mean() - want) <= 0.02 * want + 1e-6, (divergence.mean(), want)
 
 
 def test_kv_cache_type_from_the_flag_or_the_environment(monkeypatch):
