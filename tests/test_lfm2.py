@@ -21,8 +21,7 @@ from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.models.base import Attention, ShortConv
 from kiln.synth import write_random_gguf
-from tests.reference import hf_greedy, hf_logits, rel_err
-from tests.test_native import kld
+from tests.reference import hf_logits, rel_err
 from tests.test_scheduler import Letters, run_steps
 
 IDS = [int(i) for i in np.random.default_rng(5).integers(3, 500, 40)]
@@ -75,49 +74,6 @@ def test_bad_per_layer_kv_heads_are_refused_naming_the_key(counts, message, tmp_
 def test_oracle_matches_transformers(f32_path):
     oracle = engines(f32_path)[1]
     assert rel_err(oracle.forward(IDS, all_logits=True), hf_logits(f32_path, IDS)) < 1e-4
-
-
-def test_native_greedy_text_is_transformers(f32_path):
-    native = engines(f32_path)[0]
-    logits, out = native.forward(IDS[:12]), []
-    for i in range(16):
-        out.append(int(np.argmax(logits)))
-        logits = native.forward([out[-1]], 0, 12 + i)
-    assert out == hf_greedy(f32_path, IDS[:12], 16)
-
-
-def test_float_model_matches_oracle_in_chunks_and_decode(f32_path, isa):
-    # a small prefill plan, so a 40-token prompt runs as chunks of 17, 17 and 6
-    native, oracle = engines(f32_path, prefill_rows=17, max_batch=4)
-    assert rel_err(native.forward(IDS, all_logits=True), oracle.forward(IDS, all_logits=True)) < 1e-4
-    for i, t in enumerate([7, 99, 300, 12, 45]):
-        assert rel_err(native.forward([t], 0, 40 + i), oracle.forward([t], 0, 40 + i)) < 1e-4
-
-
-def test_hidden_states_match_the_oracle_layer_by_layer(f32_path):
-    native, oracle = engines(f32_path)
-    got, want = native.hidden_states(IDS[:24]), oracle.hidden_states(IDS[:24])
-    assert len(got) == len(want) == 2 * 4
-    for a, b in zip(got, want):
-        assert rel_err(a, b) < 1e-4
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q8_0])
-def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
-    path = write_random_gguf(tmp_path / "q.gguf", "tiny-lfm2", qtype=qtype, seed=4)
-    native, oracle = engines(path)
-    a, b = native.forward(IDS, all_logits=True), oracle.forward(IDS, all_logits=True)
-    assert kld(b, a).mean() < 0.01 and (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
-
-
-def test_mixed_step_of_decode_rows_and_a_chunk(f32_path):
-    native, oracle = engines(f32_path, n_slots=3)
-    for engine in (native, oracle):
-        engine.forward([5, 6, 7, 8], slot=0)
-        engine.forward([9, 10], slot=1)
-    tokens, slots, positions = [11, 12, 20, 21, 22, 23, 24], [0, 1, 2, 2, 2, 2, 2], [4, 2, 0, 1, 2, 3, 4]
-    got, want = native.step(tokens, slots, positions, [0, 1, 6]), oracle.step(tokens, slots, positions, [0, 1, 6])
-    assert rel_err(got, want) < 1e-4
 
 
 def test_a_rewound_slot_continues_within_its_window_and_refuses_beyond(f32_path):
