@@ -49,6 +49,10 @@ class RayOptions:
     ctx_len: int | None = None
     max_queue: int = 64
     keep_alive: float | None = None  # replicas keep their model loaded
+    kv_cache: str | None = None  # the KV cache's type (None: KILN_KV_CACHE_TYPE on the replica's node, else f16)
+    max_loaded: int = 3  # models a replica holds at once (its model and others requests name)
+    max_body_bytes: int | None = None  # the app's request-body limits (None: kiln serve's defaults)
+    max_upload_bytes: int | None = None
     backend: str = "auto"
     prefill_chunk: int | None = None
     store: str | None = None  # a store every replica shares (a network path); None: each node's own KILN_HOME
@@ -80,7 +84,7 @@ class RayOptions:
 
         if not self.model:
             raise KilnError("a model is required: kiln serve MODEL --ray, or serve run kiln.ray:app model=TAG")
-        for name in ("replicas", "parallel", "threads", "min_replicas", "max_replicas"):
+        for name in ("replicas", "parallel", "threads", "min_replicas", "max_replicas", "max_loaded"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "min_replicas" else 1):
                 raise KilnError(f"--{name.replace('_', '-')} must be at least {0 if name == 'min_replicas' else 1}")
@@ -92,6 +96,10 @@ class RayOptions:
             raise KilnError(f"--min-replicas ({self.min_replicas}) is more than --max-replicas ({self.max_replicas})")
         if self.target_ongoing <= 0:
             raise KilnError("--target-ongoing must be positive")
+        if self.kv_cache is not None:
+            from kiln.engine.kv import kv_cache_type
+
+            kv_cache_type(self.kv_cache)  # a bad type fails here, not in every replica
 
 
 def _convert(kind: str, value, key: str):
@@ -170,6 +178,7 @@ class KilnReplica:
     """One model set: kiln's app with its Runtime, loaded at start, answering ASGI calls from the ingress."""
 
     async def __init__(self, options: dict):
+        from kiln.engine.kv import kv_cache_type
         from kiln.server.app import create_app
         from kiln.server.runtime import Settings, favour_engine_thread
         from kiln.store import Store
@@ -182,10 +191,13 @@ class KilnReplica:
         if o.pull:
             await asyncio.to_thread(store.ensure, o.model, False)
         settings = Settings(parallel=o.parallel, ctx_len=o.ctx_len, max_queue=o.max_queue, keep_alive=o.keep_alive,
-                            threads=o.threads, backend=o.backend, prefill_chunk=o.prefill_chunk)
+                            threads=o.threads, backend=o.backend, prefill_chunk=o.prefill_chunk,
+                            kv_cache=kv_cache_type(o.kv_cache), max_loaded=o.max_loaded)
+        limits = {name: value for name, value in (("max_body_bytes", o.max_body_bytes),
+                                                  ("max_upload_bytes", o.max_upload_bytes)) if value is not None}
         failures: list[Exception] = []
         self.app = create_app(settings, api_key=o.api_key, cors=o.cors, allowed_hosts=o.allowed_hosts, bind_host=o.host,
-                              store=store, preload=o.model, on_fatal=failures.append)
+                              store=store, preload=o.model, on_fatal=failures.append, **limits)
         self.runtime = self.app.state.runtime
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()

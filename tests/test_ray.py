@@ -274,6 +274,14 @@ def test_serve_run_arguments_are_typed_and_checked():
                                     "threads": "none", "target_ongoing": "1.5"})
     assert (options.replicas, options.pull, options.cors, options.threads, options.target_ongoing) == \
         (2, False, ["a.test", "b.test"], None, 1.5)
+    # what the single server's flags set in each replica's app: the cache type, models held, body limits
+    options = RayOptions.from_args({"model": "m", "kv_cache": "q8_0", "max_loaded": "2", "max_body_bytes": "1048576"})
+    assert (options.kv_cache, options.max_loaded, options.max_body_bytes, options.max_upload_bytes) == \
+        ("q8_0", 2, 1048576, None)
+    with pytest.raises(KilnError, match="'q5' is not a KV cache type"):
+        RayOptions.from_args({"model": "m", "kv_cache": "q5"})
+    with pytest.raises(KilnError, match="--max-loaded must be at least 1"):
+        RayOptions.from_args({"model": "m", "max_loaded": "0"})
     with pytest.raises(KilnError, match="no argument 'replica'"):
         RayOptions.from_args({"model": "m", "replica": "2"})
     with pytest.raises(KilnError, match="replicas='two': expected int"):

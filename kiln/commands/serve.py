@@ -176,7 +176,9 @@ def serve_on_ray(args) -> int:
                          parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, backend=args.backend,
                          prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull, affinity=args.affinity,
                          api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts, host=args.host,
-                         port=args.port)
+                         port=args.port, kv_cache=args.kv_cache, max_loaded=args.max_loaded,
+                         max_body_bytes=parse_size(args.max_body_bytes, "--max-body-bytes"),
+                         max_upload_bytes=parse_size(args.max_upload_bytes, "--max-upload-bytes"))
     options.check()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
