@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kiln.engine.native import NativeEngine
-from kiln.engine.oracle import OracleEngine
-from kiln.gguf import GGUFFile
-from kiln.models import family_for
 from kiln.synth import write_random_gguf
 from tests.reference import hf_greedy, register_builder, rel_err
+from tests.test_lfm2 import engines
 from tests.test_native import kld
 from tests.test_qwen35 import _builder as qwen35_builder
 
@@ -32,13 +29,6 @@ def f32_path(shape, tmp_path_factory):
     if shape == "tiny-qwen35":  # transformers' weights from the file's layout (value heads tiled)
         register_builder("qwen35", qwen35_builder(path))
     return path
-
-
-def engines(path, n_slots=1, n_ctx=160, **native_options):
-    gguf = GGUFFile(path)
-    fam = family_for(gguf)
-    native = NativeEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, threads=2, **native_options)
-    return native, OracleEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, kv_dtype=np.float16)
 
 
 def test_native_greedy_text_is_transformers(f32_path):

@@ -4,14 +4,14 @@ in chunks, a second turn, a copied prefix, rejected draft tokens, embeddings).""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 from kiln.cli import main
 from kiln.engine.model import load
-from kiln.engine.native import NativeEngine
-from kiln.engine.oracle import OracleEngine
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.scheduler import Embedded, Request, Scheduler
 from kiln.engine.sequence import Sequence
@@ -22,6 +22,7 @@ from kiln.models import family_for
 from kiln.models.base import Attention, ShortConv
 from kiln.synth import write_random_gguf
 from tests.reference import hf_logits, rel_err
+from tests.test_native import engines as native_engines
 from tests.test_scheduler import Letters, run_steps
 
 IDS = [int(i) for i in np.random.default_rng(5).integers(3, 500, 40)]
@@ -32,11 +33,8 @@ def f32_path(tmp_path_factory):
     return write_random_gguf(tmp_path_factory.mktemp("lfm2") / "lfm2.gguf", "tiny-lfm2", qtype=QT.F32, seed=11)
 
 
-def engines(path, n_slots=1, n_ctx=160, **native_options):
-    gguf = GGUFFile(path)
-    fam = family_for(gguf)
-    native = NativeEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, threads=2, **native_options)
-    return native, OracleEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, kv_dtype=np.float16)
+# test_native's pair of engines, with room for the state tests' longer prompts
+engines = partial(native_engines, n_ctx=160)
 
 
 def test_the_file_says_which_layers_attend(f32_path):

@@ -9,14 +9,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kiln.engine.native import NativeEngine
-from kiln.engine.oracle import OracleEngine
 from kiln.errors import ModelFileError
 from kiln.gguf import GGUFFile
 from kiln.models import family_for
 from kiln.models.base import Attention, DeltaNet
 from kiln.synth import write_random_gguf
 from tests.reference import Builder, hf_greedy, hf_logits, oracle, oracle_greedy, register_builder, rel_err
+from tests.test_lfm2 import engines
 
 IDS = [int(i) for i in np.random.default_rng(7).integers(3, 500, 40)]
 
@@ -113,13 +112,6 @@ def f32_path(tmp_path_factory):
     path = write_random_gguf(tmp_path_factory.mktemp("qwen35") / "qwen35.gguf", "tiny-qwen35", qtype=QT.F32, seed=11)
     register_builder("qwen35", _builder(path))
     return path
-
-
-def engines(path, n_slots=1, n_ctx=160, **native_options):
-    gguf = GGUFFile(path)
-    fam = family_for(gguf)
-    native = NativeEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, threads=2, **native_options)
-    return native, OracleEngine(gguf, fam, n_ctx=n_ctx, n_slots=n_slots, kv_dtype=np.float16)
 
 
 def test_the_file_says_which_layers_attend(f32_path):
