@@ -52,7 +52,65 @@ static uint16_t quantize_block(int t, const float *x, uint8_t *codes, size_t str
     return kiln_float_to_half(d);
 }
 
-void kiln_store_key_quant(int t, const float *x, uint8_t *head_keys, int pos, int hd) {
+/* ---- the rotated basis: an orthonormal Walsh-Hadamard transform of each block of 32 ---- */
+
+/* 1 / sqrt(32): the normalization that makes the transform orthonormal and its own inverse. */
+#define WHT_NORM 0.17677669529663688f
+
+/* Five butterfly stages (strides 16, 8, 4, 2, 1), each a[i] + a[i + s] and a[i] - a[i + s], then the
+ * normalization: the vector version does the same operations in the same order, so both give the same bits. */
+static void rotate_generic(const float *x, float *y, int n) {
+    for (int b = 0; b < n; b += KV_BLOCK) {
+        float a[KV_BLOCK];
+        memcpy(a, x + b, sizeof a);
+        for (int s = KV_BLOCK / 2; s >= 1; s /= 2)
+            for (int i = 0; i < KV_BLOCK; i++)
+                if (!(i & s)) {
+                    float u = a[i], v = a[i + s];
+                    a[i] = u + v, a[i + s] = u - v;
+                }
+        for (int i = 0; i < KV_BLOCK; i++) y[b + i] = a[i] * WHT_NORM;
+    }
+}
+
+#if defined(KILN_X86)
+/* Within one register, the butterfly of stride 4, 2 or 1: the partner lanes come from a permutation p; the
+ * sums stay in the lower lane of each pair, the differences (partner - x there: u - v) go to the upper ones. */
+#define BUTTERFLY_IN(x, p, upper) _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), upper)
+
+static __attribute__((target("avx2"))) void rotate_avx2(const float *x, float *y, int n) {
+    for (int b = 0; b < n; b += KV_BLOCK) {
+        __m256 r[4];
+        for (int k = 0; k < 4; k++) r[k] = _mm256_loadu_ps(x + b + 8 * k);
+        for (int s = 2; s >= 1; s /= 2) /* strides 16 and 8: between registers */
+            for (int k = 0; k < 4; k++)
+                if (!(k & s)) {
+                    __m256 u = r[k], v = r[k + s];
+                    r[k] = _mm256_add_ps(u, v), r[k + s] = _mm256_sub_ps(u, v);
+                }
+        for (int k = 0; k < 4; k++) {
+            r[k] = BUTTERFLY_IN(r[k], _mm256_permute2f128_ps(r[k], r[k], 1), 0xF0);
+            r[k] = BUTTERFLY_IN(r[k], _mm256_permute_ps(r[k], 0x4E), 0xCC);
+            r[k] = BUTTERFLY_IN(r[k], _mm256_permute_ps(r[k], 0xB1), 0xAA);
+            _mm256_storeu_ps(y + b + 8 * k, _mm256_mul_ps(r[k], _mm256_set1_ps(WHT_NORM)));
+        }
+    }
+}
+#endif
+
+void kiln_kv_rotate(const float *x, float *y, int n) {
+#if defined(KILN_X86)
+    if (kiln_active_isa() >= ISA_AVX2) {
+        rotate_avx2(x, y, n);
+        return;
+    }
+#endif
+    rotate_generic(x, y, n);
+}
+
+void kiln_store_key_quant(int t, const float *row, uint8_t *head_keys, int pos, int hd) {
+    float x[hd];
+    kiln_kv_rotate(row, x, hd);
     uint8_t *g = head_keys + (size_t)(pos / KEY_GROUP) * kiln_kv_key_group_bytes(t, hd), *codes = g + scales_bytes(hd);
     int at = pos % KEY_GROUP;
     for (int b = 0; b < hd / KV_BLOCK; b++) {
@@ -61,10 +119,12 @@ void kiln_store_key_quant(int t, const float *x, uint8_t *head_keys, int pos, in
     }
 }
 
-void kiln_store_value_quant(int t, const float *x, uint8_t *head_values, int pos, int hd) {
-    uint8_t *row = head_values + (size_t)pos * kiln_kv_value_row_bytes(t, hd);
+void kiln_store_value_quant(int t, const float *row, uint8_t *head_values, int pos, int hd) {
+    float x[hd];
+    kiln_kv_rotate(row, x, hd);
+    uint8_t *at = head_values + (size_t)pos * kiln_kv_value_row_bytes(t, hd);
     for (int b = 0; b < hd / KV_BLOCK; b++) {
-        uint8_t *blk = row + (size_t)b * value_block_bytes(t);
+        uint8_t *blk = at + (size_t)b * value_block_bytes(t);
         uint16_t d = quantize_block(t, x + b * KV_BLOCK, blk + 2, 1);
         memcpy(blk, &d, 2);
     }

@@ -17,13 +17,21 @@ size_t kiln_kv_head_bytes(int kv_type, int n_ctx, int hd);
 size_t kiln_kv_key_group_bytes(int kv_type, int hd);
 size_t kiln_kv_value_row_bytes(int kv_type, int hd);
 
+/* A quantized cache holds its rows in a rotated basis: y = H x per block of 32, H the orthonormal
+ * Walsh-Hadamard matrix (H = H^T = H^-1), which spreads an outlier channel over its block so that it no
+ * longer sets a coarse step for the other 31 values. Scores are unchanged when the queries are rotated
+ * too (Hq . Hk = q . k), and H applied to the attention output undoes it (sum p Hv = H sum p v). The
+ * stores rotate the rows they are given; the QKV op rotates the queries it hands attention over such a
+ * cache, and attention rotates each output back after merging its parts. n: a multiple of 32. */
+void kiln_kv_rotate(const float *x, float *y, int n);
+
 /* Quantized keys keep attn.h's groups of KEY_GROUP positions: a group is the fp16 scales
  * [hd / 32][KEY_GROUP], then per block of 32 dimensions its codes [code bytes][KEY_GROUP] (q8_0: one
  * int8 a dimension; q4_0: byte i holds dimension i in its low nibble and i + 16 in its high one, as
  * block_q4_0 pairs them). Values are by position, each row hd / 32 ggml blocks (block_q8_0 or
  * block_q4_0: fp16 scale, then the codes). Rounding is ggml's reference quantizers': q8_0 d = amax / 127,
  * q = roundf(x / d); q4_0 d = max / -8 (max the value of largest magnitude), q = min(15, (int)(x / d +
- * 8.5)), read back as d * (q - 8); the scale stored as fp16. */
+ * 8.5)), read back as d * (q - 8); the scale stored as fp16. The rows are rotated (kiln_kv_rotate) before they are rounded. */
 void kiln_store_key_quant(int kv_type, const float *x, uint8_t *head_keys, int pos, int hd);
 void kiln_store_value_quant(int kv_type, const float *x, uint8_t *head_values, int pos, int hd);
 

@@ -39,6 +39,17 @@ static void store_kv(const kiln_plan *p, const kiln_op *op, int t, int head, int
         kiln_store_half(row, (uint16_t *)at + (size_t)pos * hd, hd);
 }
 
+/* Row t's query heads from `row` (`heads` of them side by side) into op->q: rotated over a quantized
+ * cache, whose keys are (attn_quant.h), so each query is rotated once, not once per part it scores. */
+static void store_q(const kiln_op *op, int t, int head, int heads, const float *row) {
+    float *q = op->q + (size_t)t * op->n_heads * op->head_dim + (size_t)head * op->head_dim;
+    size_t n = (size_t)heads * op->head_dim;
+    if (op->kv_type != KV_F16)
+        kiln_kv_rotate(row, q, (int)n);
+    else
+        memcpy(q, row, sizeof(float) * n);
+}
+
 /* The q, k and v heads form one list (q heads, then k, then v); a chunk is `chunk_heads` consecutive
  * heads of it, and its heads of one matrix are one run of rows, multiplied in one streaming pass. */
 static int qkv_heads(const kiln_op *op) { return op->n_heads + 2 * op->n_kv_heads; }
@@ -132,7 +143,7 @@ static void qkv_commit(void *ctx, int c, int thread) {
             if (op->qk_norm_whole && which < 2)
                 memcpy(op->qk_raw + ((size_t)t * (op->n_heads + op->n_kv_heads) + h) * hd, row, sizeof(float) * hd);
             else if (which == 0)
-                memcpy(op->q + (size_t)t * op->n_heads * hd + (size_t)head * hd, row, sizeof(float) * hd);
+                store_q(op, t, head, 1, row);
             else
                 store_kv(p, op, t, head, which, row);
         }
@@ -158,7 +169,7 @@ static void qk_row_commit(void *ctx, int t, int thread) {
     const kiln_plan *p = j->plan;
     int hd = op->head_dim, q_dim = op->n_heads * hd;
     const float *y = scratch(j, thread);
-    memcpy(op->q + (size_t)t * q_dim, y, sizeof(float) * q_dim);
+    store_q(op, t, 0, op->n_heads, y);
     for (int g = 0; g < op->n_kv_heads; g++)
         store_kv(p, op, t, g, 1, y + q_dim + (size_t)g * hd);
 }
@@ -339,8 +350,10 @@ static void attention_merge(const kiln_plan *p, const kiln_op *op) {
                     o[k] = part + (size_t)r * hd, m[k] = part + (size_t)nq * hd + r, l[k] = part + (size_t)nq * (hd + 1) + r;
                 }
                 int i = r / group, h = g * group + r % group;
-                kiln_attend_merge(parts, o, m, l, hd, op->negate, op->sinks ? op->sinks + h : NULL,
-                                  op->out + (size_t)(t0 + i) * q_dim + (size_t)h * hd);
+                float *out = op->out + (size_t)(t0 + i) * q_dim + (size_t)h * hd;
+                kiln_attend_merge(parts, o, m, l, hd, op->negate, op->sinks ? op->sinks + h : NULL, out);
+                /* the merge is linear in the parts' outputs, so one rotation after it undoes the cache's */
+                if (op->kv_type != KV_F16) kiln_kv_rotate(out, out, hd);
             }
     }
 }

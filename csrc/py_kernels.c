@@ -2,6 +2,7 @@
    raises instead of reading or writing out of bounds. kiln/native/kernels.py wraps them for numpy. */
 #include "bindings.h"
 #include "act.h"
+#include "attn_quant.h"
 #include "kernels.h"
 
 static int get_buf(PyObject *o, Py_buffer *v, int writable, Py_ssize_t need, const char *what) {
@@ -219,6 +220,24 @@ static PyObject *py_unpack_row(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* kv_rotate(x, out): out = the quantized KV cache's rotation of float32 x (attn_quant.h), whole blocks of 32 */
+static PyObject *py_kv_rotate(PyObject *self, PyObject *args) {
+    Py_buffer xb, ob;
+    if (!PyArg_ParseTuple(args, "y*w*", &xb, &ob)) return NULL;
+    PyObject *ret = NULL;
+    if (xb.len != ob.len || xb.len % (4 * KV_BLOCK))
+        PyErr_Format(PyExc_ValueError, "kv_rotate: %zd and %zd bytes are not equal whole blocks of %d floats", xb.len,
+                     ob.len, KV_BLOCK);
+    else {
+        kiln_kv_rotate(xb.buf, ob.buf, (int)(xb.len / 4));
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
 /* split_q8_0(src) -> (hi, lo) GGUF bytes of a Q8_0 tensor split in two (kernels.h), or None if it cannot be */
 static PyObject *py_split_q8_0(PyObject *self, PyObject *args) {
     Py_buffer src;
@@ -387,6 +406,7 @@ PyMethodDef kernel_methods[] = {
     {"act_size", py_act_size, METH_VARARGS, "act_size(fmt, cols, n_tok) -> bytes."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(fmt, x, ldx, cols, n_tok, act)."},
     {"unpack_row", py_unpack_row, METH_VARARGS, "unpack_row(ggml_type, rows, cols, tile_bytes, data, row, out)."},
+    {"kv_rotate", py_kv_rotate, METH_VARARGS, "kv_rotate(x, out): a quantized KV cache's rotation of float32 x."},
     {"split_q8_0", py_split_q8_0, METH_VARARGS, "split_q8_0(src) -> (hi, lo) GGUF bytes (Q5_0, Q4_0), or None."},
     {"unpack_split_row", py_unpack_split_row, METH_VARARGS,
      "unpack_split_row(rows, cols, hi_tile_bytes, hi_data, lo_tile_bytes, lo_data, row, out)."},

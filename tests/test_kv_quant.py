@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from kiln.engine.kv import ROUNDING, kv_cache_type
+from kiln.engine.kv import ROUNDING, kv_cache_type, rotate, stored
 from kiln.engine.native import NativeEngine
 from kiln.engine.oracle import OracleEngine
 from kiln.errors import KilnError
@@ -28,8 +28,9 @@ QUANT = ("q8_0", "q4_0")
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # ggml's block_q8_0 and block_q4_0: an fp16 scale and 32 codes
 # Against the oracle: a value within a last bit of a rounding boundary may round the other way when the two
 # engines' fp32 sums differ in that bit, moving it by one step of its block (1/127 of its largest value for
-# q8_0, 1/8 for q4_0), hence not 1e-4.
-ORACLE_TOLERANCE = 1e-3
+# q8_0, 1/8 for q4_0), hence not 1e-4. In the rotated basis each stored value mixes its block's 32 inputs, so a
+# last-bit difference in any of them puts all 32 at risk, and q4_0's one step is 16 times q8_0's.
+ORACLE_TOLERANCE = {"q8_0": 1e-3, "q4_0": 1e-2}
 
 
 def kld(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
@@ -59,6 +60,74 @@ def test_rounding_is_ggml(kv):
     assert np.array_equal(ROUNDING[kv](x), quants.dequantize(quants.quantize(x, qt), qt))
 
 
+def hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(n)
+
+
+def test_rotation_is_an_orthonormal_hadamard_transform_and_its_own_inverse(isa):
+    """The native rotation of each block of 32 is the oracle's, bit for bit on every ISA, and both are the
+    normalized Hadamard matrix: orthonormal (norms and dot products kept) and its own inverse."""
+    from kiln.native import kernels
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 160)) * rng.uniform(0.01, 50, (7, 1))).astype(np.float32)
+    y = kernels.kv_rotate(x)
+    assert np.array_equal(y, rotate(x))
+    blocks = x.reshape(7, 5, 32).astype(np.float64)
+    assert np.allclose(y.reshape(7, 5, 32), blocks @ hadamard(32).T, rtol=1e-5, atol=1e-5 * np.abs(x).max())
+    assert np.allclose(kernels.kv_rotate(y), x, rtol=1e-5, atol=1e-6 * np.abs(x).max())
+    assert np.allclose(np.linalg.norm(y.reshape(7, 5, 32), axis=-1), np.linalg.norm(blocks, axis=-1), rtol=1e-5)
+    assert np.allclose((y[:, None] * y[None]).sum(-1), (blocks.reshape(7, 160)[:, None] * x[None]).sum(-1),
+                       rtol=1e-4, atol=1e-4 * (x**2).sum(-1).max())
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        kernels.kv_rotate(x[:, :48])
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_rotation_lowers_the_rounding_error_of_outlier_channels(kv):
+    """Rows with a few channels far above the rest (keys after rope, values): unrotated, each such channel
+    sets its block's step; rotated, it is spread over the block and the others keep their precision."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    x[:, rng.choice(128, 6, replace=False)] *= 20
+    plain, rotated = (float(((f(x) - x) ** 2).mean()) for f in (ROUNDING[kv], lambda r: stored(kv, r)))
+    assert rotated < plain / 4, (rotated, plain)
+
+
+def outlier_model(tmp_path, shape, **options):
+    """A random model whose keys and values have outlier channels: a sixteenth of the rows of every K and
+    V projection scaled by 8."""
+    import gguf as gg
+
+    path = write_random_gguf(tmp_path / f"{shape}-outliers.gguf", shape, qtype=QT.F32, seed=11, **options)
+    reader, rng = gg.GGUFReader(str(path), "r+"), np.random.default_rng(3)
+    for t in reader.tensors:
+        if t.name.endswith(("attn_k.weight", "attn_v.weight")):
+            t.data[rng.choice(len(t.data), len(t.data) // 16, replace=False)] *= 8
+    del reader
+    return GGUFFile(path)
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_the_rotated_cache_diverges_less_where_keys_and_values_have_outliers(kv, tmp_path):
+    """The native cache (rotated) against the fp16 cache, and the same rounding without the rotation (the
+    oracle's cache rounding rows as they come): the rotation cuts the divergence several times."""
+    gguf = outlier_model(tmp_path, "tiny-llama", head_dim=32)
+    fam = family_for(gguf)
+    ids = [int(i) for i in np.random.default_rng(7).integers(3, 500, 80)]
+    native = {t: NativeEngine(gguf, fam, n_ctx=96, threads=2, kv_type=t).forward(ids, all_logits=True)
+              for t in ("f16", kv)}
+    unrotated = OracleEngine(gguf, fam, n_ctx=96, kv_type=kv)
+    unrotated.kv.rounding = ROUNDING[kv]
+    fp16 = OracleEngine(gguf, fam, n_ctx=96, kv_dtype=np.float16).forward(ids, all_logits=True)
+    rotated_kld = kld(native["f16"], native[kv]).mean()
+    plain_kld = kld(fp16, unrotated.forward(ids, all_logits=True)).mean()
+    assert rotated_kld < plain_kld / 3, (rotated_kld, plain_kld)
+
+
 @pytest.mark.parametrize("kv", QUANT)
 @pytest.mark.parametrize("shape,options", SHAPES_Q)
 def test_quantized_cache_matches_the_oracle(shape, options, kv, tmp_path, isa):
@@ -68,7 +137,7 @@ def test_quantized_cache_matches_the_oracle(shape, options, kv, tmp_path, isa):
                           guard=True)
     oracle = OracleEngine(gguf, fam, n_ctx=96, n_slots=2, kv_type=kv)
     ids = [int(i) for i in np.random.default_rng(5).integers(3, 500, 40)]
-    tol = ORACLE_TOLERANCE
+    tol = ORACLE_TOLERANCE[kv]
     assert rel_err(native.forward(ids, all_logits=True), oracle.forward(ids, all_logits=True)) < tol
     for engine in (native, oracle):
         engine.forward(ids[:9], slot=1)
@@ -86,16 +155,18 @@ def test_quantized_cache_over_several_parts_matches_the_oracle(kv, tmp_path, isa
     native = NativeEngine(gguf, fam, n_ctx=600, threads=2, max_batch=4, kv_type=kv)
     oracle = OracleEngine(gguf, fam, n_ctx=600, kv_type=kv)
     ids = [int(i) for i in np.random.default_rng(6).integers(3, 500, 530)]
-    tol = ORACLE_TOLERANCE
+    tol = ORACLE_TOLERANCE[kv]
     assert rel_err(native.forward(ids), oracle.forward(ids)) < tol
     assert rel_err(native.forward([17], 0, 530), oracle.forward([17], 0, 530)) < tol
 
 
 # KLD against the fp16 cache on random tiny models (mean, max): q4_0's steps are 16x q8_0's. tiny-gpt-oss's
 # random attention is the most sensitive to the rounding (its oracle, rounding the same way, measures the
-# same divergence as the native engine), hence bounds of its own.
+# same divergence as the native engine), hence bounds of its own; its first row attends to one key beside
+# its sink, so that row's divergence is one q4_0 rounding of one value row. Random rows have no outlier
+# channels, so the rotation neither helps nor hurts them on average (the outlier tests above show its gain).
 KLD_BOUNDS = {"q8_0": (2e-4, 2e-3), "q4_0": (5e-3, 2e-2)}
-KLD_BOUNDS_GPT_OSS = {"q8_0": (2e-3, 0.1), "q4_0": (2e-2, 0.1)}
+KLD_BOUNDS_GPT_OSS = {"q8_0": (2e-3, 0.1), "q4_0": (2e-2, 0.3)}
 
 
 @pytest.mark.parametrize("kv", QUANT)

@@ -75,6 +75,29 @@ def round_q4_0(x: np.ndarray) -> np.ndarray:
 
 ROUNDING = {"q8_0": round_q8_0, "q4_0": round_q4_0}  # how each quantized type rounds a stored row
 
+_WHT_NORM = np.float32(0.17677669529663688)  # 1 / sqrt(32)
+
+
+def rotate(x: np.ndarray) -> np.ndarray:
+    """x (..., width) in the basis a quantized cache stores its rows in: per block of 32 the orthonormal
+    Walsh-Hadamard transform, its own inverse, by the native store's butterflies (strides 16 down to 1) in
+    float32, then the normalization (csrc/attn_quant.h)."""
+    a = _blocks(x).copy()
+    s = KV_BLOCK // 2
+    while s >= 1:
+        pairs = a.reshape(*a.shape[:-1], KV_BLOCK // (2 * s), 2, s)
+        u, v = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = u + v, u - v
+        s //= 2
+    return (a * _WHT_NORM).reshape(np.shape(x))
+
+
+def stored(kv_type: str, x: np.ndarray) -> np.ndarray:
+    """A row as a quantized cache of `kv_type` holds it, seen in the model's basis: rotated, rounded and
+    rotated back. The native engine keeps the rotated rows and rotates the queries and the attention output
+    instead, which gives the same scores and output (q . H r = Hq . r; sum p H r = H sum p r)."""
+    return rotate(ROUNDING[kv_type](rotate(x)))
+
 
 def check_span(start: int, count: int, n_ctx: int) -> None:
     if count <= 0:
@@ -99,12 +122,12 @@ class KVCache:
     def __init__(self, n_layers: int, n_slots: int, n_ctx: int, n_kv_heads: int, head_dim: int, dtype=np.float32,
                  kv_type: str | None = None):
         """A quantized `kv_type` (q8_0, q4_0) stores every head row as the native cache of that type rounds
-        it (in float32)."""
+        it in its rotated basis (`stored`, in float32)."""
         shape = (n_slots, n_ctx, n_kv_heads * head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
         self.head_dim = head_dim
-        self.rounding = ROUNDING.get(kv_type)
+        self.rounding = (lambda x: stored(kv_type, x)) if kv_type in ROUNDING else None
 
     def write(self, layer: int, slot: int, start: int, k: np.ndarray, v: np.ndarray, n_kv_heads: int):
         """Store k, v (tokens, kv_dim) at `start`; return this slot's whole cache as (ctx, kv_heads, head_dim)."""

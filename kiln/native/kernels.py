@@ -97,6 +97,14 @@ def unpack_row(w: PackedMatrix, ggml_type: int, row: int) -> np.ndarray:
     return out
 
 
+def kv_rotate(x: np.ndarray) -> np.ndarray:
+    """x (..., width, width whole blocks of 32) rotated as a quantized KV cache stores its rows (csrc/attn_quant.h)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _native.kv_rotate(x, out)
+    return out
+
+
 def split_q8_0(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A Q8_0 tensor's GGUF bytes split into its top 5 bits (Q5_0, scale 8d) and low 3 bits (Q4_0), each
     (rows, bytes per row); None if some block's 8d overflows fp16. The output head runs this way (csrc/op_logits.c)."""
