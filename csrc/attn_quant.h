@@ -22,7 +22,7 @@ size_t kiln_kv_value_row_bytes(int kv_type, int hd);
  * longer sets a coarse step for the other 31 values. Scores are unchanged when the queries are rotated
  * too (Hq . Hk = q . k), and H applied to the attention output undoes it (sum p Hv = H sum p v). The
  * stores rotate the rows they are given; the QKV op rotates the queries it hands attention over such a
- * cache, and attention rotates each output back after merging its parts. n: a multiple of 32. */
+ * cache, and attention rotates each output back after merging its parts. n: a multiple of 32; y may be x. */
 void kiln_kv_rotate(const float *x, float *y, int n);
 
 /* Quantized keys keep attn.h's groups of KEY_GROUP positions: a group is the fp16 scales
@@ -31,7 +31,8 @@ void kiln_kv_rotate(const float *x, float *y, int n);
  * block_q4_0 pairs them). Values are by position, each row hd / 32 ggml blocks (block_q8_0 or
  * block_q4_0: fp16 scale, then the codes). Rounding is ggml's reference quantizers': q8_0 d = amax / 127,
  * q = roundf(x / d); q4_0 d = max / -8 (max the value of largest magnitude), q = min(15, (int)(x / d +
- * 8.5)), read back as d * (q - 8); the scale stored as fp16. The rows are rotated (kiln_kv_rotate) before they are rounded. */
+ * 8.5)), read back as d * (q - 8); the scale stored as fp16. Each row is rotated (kiln_kv_rotate) before
+ * it is rounded. */
 void kiln_store_key_quant(int kv_type, const float *x, uint8_t *head_keys, int pos, int hd);
 void kiln_store_value_quant(int kv_type, const float *x, uint8_t *head_values, int pos, int hd);
 
