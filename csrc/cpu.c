@@ -49,6 +49,10 @@ const char *kiln_isa_missing(kiln_isa isa) {
     if (isa == ISA_AVX512) return NULL;
     if (!(d7 & (1u << 24))) return "amx-tile";
     if (!(d7 & (1u << 25))) return "amx-int8";
+    if (!(d7 & (1u << 22))) return "amx-bf16";
+    unsigned a71 = 0, b71, c71, d71;
+    __cpuid_count(7, 1, a71, b71, c71, d71);
+    if (!(a71 & (1u << 5))) return "avx512bf16";
     if ((xgetbv0() & 0x60000) != 0x60000) return "OS support for amx (xsave of tile state)";
     pthread_once(&amx_once, amx_request);
     if (!amx_granted) return "OS permission for amx tile data (arch_prctl ARCH_REQ_XCOMP_PERM denied)";

@@ -13,7 +13,7 @@
    sub-blocks take two K = 16 products per block, combined with their scales in int32 as the other
    variants do. Tile state is per thread: each call loads the tile configuration and releases it. */
 #if KILN_X86
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -442,6 +442,200 @@ void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, i
     case KF_Q6_K: run(KF_Q6_K, w, act, n_tok, y, ldy, tile0, tile1); break;
     case KF_MXFP4: run(KF_MXFP4, w, act, n_tok, y, ldy, tile0, tile1); break;
     default: kiln_matmul_avx512(w, act, n_tok, y, ldy, tile0, tile1);
+    }
+}
+/* ---- BF16 tiles: the prefill path (kiln_matmul_bf16) ----
+
+   A block scale per 32 weights leaves an int8 tile product 32 deep, each result stored and scaled by
+   vector code (docs/PERF.md, "AMX tiles and the int8 peaks"). Here the scales are applied once, where
+   the values are laid out: activations as bf16(q * d), weights as bf16(q * mul + add) for each 16-row
+   slab, and tdpbf16ps accumulates the whole row in fp32 inside the tile unit. Each product rounds both
+   factors to 8 significant bits, so the result is no longer the other variants' bits: it is tested
+   against the oracle by tolerance and KLD. */
+
+#define BF16_TILE 512 /* bf16 values of one tile: 16 rows x 32 */
+
+size_t kiln_bf16_tiles_bytes(int cols, int n_tok) {
+    return (size_t)(n_tok + 2 * TOK_BLOCK - 1) / (2 * TOK_BLOCK) * 2 * (size_t)(cols / 32) * BF16_TILE * 2;
+}
+
+/* 32 floats as bf16, rounded to nearest even: lo's 16 first. */
+ALWAYS __m512i to_bf16(__m512 hi, __m512 lo) {
+    __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+    __m512i r;
+    memcpy(&r, &v, 64);
+    return r;
+}
+
+/* One 32-value row of int8 q (and q2 when paired) times its scales, as bf16 into `out`. */
+ALWAYS void bf16_row(const int8_t *q, float d, const int8_t *q2, float d2, uint16_t *out) {
+    __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), _mm512_set1_ps(d));
+    __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), _mm512_set1_ps(d));
+    if (q2) {
+        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q2))), _mm512_set1_ps(d2), lo);
+        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q2 + 16)))), _mm512_set1_ps(d2), hi);
+    }
+    _mm512_storeu_si512(out, to_bf16(hi, lo));
+}
+
+static float act_scale(const uint8_t *a, int blk) {
+    float d;
+    memcpy(&d, a + (size_t)(blk / 8) * KILN_AG_BYTES + KILN_AG_D + 4 * (blk % 8), 4);
+    return d;
+}
+
+/* Q8 activations (kernels.h) of n tokens as bf16 A tiles, [token tile][block][16 tokens][32]: token
+   tiles in pairs, the missing tokens zero. Paired (ops.h): rows n..2n-1 hold the second rows, summed in. */
+int kiln_bf16_tiles(kiln_wfmt f, const void *act, int cols, int n, int paired, uint16_t *dst) {
+    size_t stride = kiln_act_stride(f, cols);
+    int nblk = cols / 32, ntt = (n + 2 * TOK_BLOCK - 1) / (2 * TOK_BLOCK) * 2;
+    size_t stage = (size_t)nblk * 512;
+    uint8_t *x = thread_scratch(2 * stage);
+    if (!x) return -1;
+    const uint8_t *a = act;
+    for (int tt = 0; tt < ntt; tt++) {
+        uint16_t *out = dst + (size_t)tt * nblk * BF16_TILE;
+        int t0 = tt * TOK_BLOCK, cnt = n - t0 < TOK_BLOCK ? n - t0 : TOK_BLOCK;
+        if (cnt <= 0) {
+            memset(out, 0, (size_t)nblk * BF16_TILE * 2);
+            continue;
+        }
+        layout_act(a + (size_t)t0 * stride, stride, cols, cnt, x, nblk, -1, NULL);
+        if (paired) layout_act(a + (size_t)(n + t0) * stride, stride, cols, cnt, x + stage, nblk, -1, NULL);
+        for (int r = 0; r < TOK_BLOCK; r++) {
+            if (r >= cnt) {
+                for (int blk = 0; blk < nblk; blk++) memset(out + ((size_t)blk * TOK_BLOCK + r) * 32, 0, 64);
+                continue;
+            }
+            const uint8_t *ar = a + (size_t)(t0 + r) * stride, *ar2 = a + (size_t)(n + t0 + r) * stride;
+            for (int blk = 0; blk < nblk; blk++) {
+                const int8_t *q = (const int8_t *)x + (size_t)blk * 512 + r * 32;
+                bf16_row(q, act_scale(ar, blk), paired ? q + stage : NULL, paired ? act_scale(ar2, blk) : 0.0f,
+                         out + ((size_t)blk * TOK_BLOCK + r) * 32);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The int8 B tiles and scales of a slab (unpack_slab) as bf16 B tiles, [block][16 pairs of k][16 rows][2]:
+   value = q * mul + add per row, mul for Q6_K's second 16 weights of a block its second sub-block's. */
+static void bf16_slab(kiln_wfmt f, const uint8_t *b, const wscale *s, int nblk, uint16_t *out) {
+    int rep[4][16], pick[2][16];
+    for (int z = 0; z < 4; z++)
+        for (int e = 0; e < 16; e++) rep[z][e] = 4 * z + e / 4;
+    for (int kp = 0; kp < 2; kp++)
+        for (int n = 0; n < 16; n++) pick[kp][n] = n < 8 ? 2 * n + kp : 16 + 2 * (n - 8) + kp;
+    __m512i vrep[4], vpick[2];
+    for (int z = 0; z < 4; z++) vrep[z] = idx16(rep[z]);
+    for (int kp = 0; kp < 2; kp++) vpick[kp] = idx16(pick[kp]);
+    for (int blk = 0; blk < nblk; blk++) {
+        const wscale *sc = s + blk;
+        __m512 d = _mm512_loadu_ps(sc->d), mul = d, mul2 = d, add = _mm512_setzero_ps();
+        if (f == KF_Q4_0) add = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        if (f == KF_Q5_0) add = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+        if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) add = _mm512_loadu_ps(sc->m);
+        if (f == KF_Q4_K || f == KF_Q5_K || f == KF_Q6_K) mul = mul2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(sc->sa)));
+        if (f == KF_Q6_K) mul2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(sc->sb)));
+        __m512 m[2][4], ad[4];
+        for (int z = 0; z < 4; z++) {
+            m[0][z] = _mm512_permutexvar_ps(vrep[z], mul);
+            m[1][z] = _mm512_permutexvar_ps(vrep[z], mul2);
+            ad[z] = _mm512_permutexvar_ps(vrep[z], add);
+        }
+        const uint8_t *bb = b + (size_t)blk * 512;
+        uint16_t *ob = out + (size_t)blk * BF16_TILE;
+        for (int k4 = 0; k4 < 8; k4++) {
+            __m512 v[4];
+            const __m512 *mz = m[k4 >= 4];
+            for (int z = 0; z < 4; z++)
+                v[z] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bb + 64 * k4 + 16 * z)))), mz[z], ad[z]);
+            __m512i p = to_bf16(v[1], v[0]), q = to_bf16(v[3], v[2]);
+            for (int kp = 0; kp < 2; kp++) _mm512_storeu_si512(ob + (2 * k4 + kp) * 32, _mm512_permutex2var_epi32(p, vpick[kp], q));
+        }
+    }
+}
+
+/* tmm0-3: C, 16 tokens x 16 rows fp32; tmm4, 5: A, 16 tokens x 32 bf16; tmm6, 7: B, 16 pairs x 16 rows x 2. */
+static void load_config_bf16(void) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
+
+/* C tile `c` into y at (token t, column col): in place when all 16 x 16 are wanted, else through `tmp`. */
+#define STORE_C(c, y, ldy, t, col, nt, nc, tmp) do { \
+        if ((nt) >= 16 && (nc) >= 16) _tile_stored(c, (y) + (size_t)(t) * (ldy) + (col), (ldy) * 4); \
+        else if ((nt) > 0 && (nc) > 0) { \
+            _tile_stored(c, tmp, 64); \
+            for (int r_ = 0; r_ < (nt); r_++) memcpy((y) + (size_t)((t) + r_) * (ldy) + (col), (tmp) + 16 * r_, sizeof(float) * (nc)); \
+        } \
+    } while (0)
+
+static int run_bf16(kiln_wfmt f, const kiln_wmat *w, const uint16_t *a, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    int nblk = w->cols / 32, pairs = (n_tok + 2 * TOK_BLOCK - 1) / (2 * TOK_BLOCK);
+    size_t bbytes = (size_t)nblk * 512, sbytes = sizeof(wscale) * nblk, hbytes = (size_t)nblk * BF16_TILE * 2;
+    uint8_t *mem = thread_scratch(bbytes + sbytes + 16 * 256 + 2 * hbytes + 1024);
+    if (!mem) return -1;
+    uint8_t *b = mem, *wk = b + bbytes + sbytes;
+    wscale *s = (wscale *)(b + bbytes);
+    uint16_t *h0 = (uint16_t *)(wk + 16 * 256), *h1 = h0 + (size_t)nblk * BF16_TILE;
+    float *tmp = (float *)(h1 + (size_t)nblk * BF16_TILE);
+    int end = 4 * tile1 < w->rows ? 4 * tile1 : w->rows;
+    load_config_bf16();
+    for (int ti = tile0; ti < tile1; ti += 2 * SLAB_TILES) {
+        unpack_slab(f, w, ti, tile1, b, s, nblk, wk);
+        bf16_slab(f, b, s, nblk, h0);
+        int second = ti + SLAB_TILES < tile1;
+        if (second) {
+            unpack_slab(f, w, ti + SLAB_TILES, tile1, b, s, nblk, wk);
+            bf16_slab(f, b, s, nblk, h1);
+        } else
+            memset(h1, 0, hbytes);
+        int col0 = 4 * ti, col1 = col0 + 16, nc0 = end - col0 < 16 ? end - col0 : 16, nc1 = end - col1 < 16 ? end - col1 : 16;
+        for (int p = 0; p < pairs; p++) {
+            const uint16_t *a0 = a + (size_t)(2 * p) * nblk * BF16_TILE, *a1 = a0 + (size_t)nblk * BF16_TILE;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int blk = 0; blk < nblk; blk++) {
+                _tile_loadd(4, a0 + (size_t)blk * BF16_TILE, 64);
+                _tile_loadd(6, h0 + (size_t)blk * BF16_TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, h1 + (size_t)blk * BF16_TILE, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, a1 + (size_t)blk * BF16_TILE, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            int t = 2 * p * TOK_BLOCK, nt0 = n_tok - t < 16 ? n_tok - t : 16, nt1 = n_tok - t - 16 < 16 ? n_tok - t - 16 : 16;
+            STORE_C(0, y, ldy, t, col0, nt0, nc0, tmp);
+            STORE_C(1, y, ldy, t, col1, nt0, nc1, tmp);
+            STORE_C(2, y, ldy, t + 16, col0, nt1, nc0, tmp);
+            STORE_C(3, y, ldy, t + 16, col1, nt1, nc1, tmp);
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+int kiln_matmul_bf16(const kiln_wmat *w, const uint16_t *a, int n_tok, float *y, int ldy, int tile0, int tile1) {
+    switch (w->fmt) {
+    case KF_Q4_1: return run_bf16(KF_Q4_1, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q4_0: return run_bf16(KF_Q4_0, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q5_0: return run_bf16(KF_Q5_0, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q8_0: return run_bf16(KF_Q8_0, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q4_K: return run_bf16(KF_Q4_K, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q5_K: return run_bf16(KF_Q5_K, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_Q6_K: return run_bf16(KF_Q6_K, w, a, n_tok, y, ldy, tile0, tile1);
+    case KF_MXFP4: return run_bf16(KF_MXFP4, w, a, n_tok, y, ldy, tile0, tile1);
+    default: return -1;
     }
 }
 #endif

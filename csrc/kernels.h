@@ -250,4 +250,12 @@ void kiln_matmul_avx512(const kiln_wmat *w, const void *act, int n_tok, float *y
    of them); fewer go to the AVX-512 kernel. Either gives the same bits. */
 #define KILN_AMX_MIN_TOKENS 64
 void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, int ldy, int tile0, int tile1);
+/* Prefill on AMX (kern_amx.c, "BF16 tiles"): an op's Q8 activations of n_tok tokens as bf16 tiles, laid out
+   once for all its chunks (`paired`: precise pairs, see ops.h, summed into one row a token), in
+   kiln_bf16_tiles_bytes; then kiln_matmul's contract for the integer formats on those tiles, a precise
+   pair's outputs already folded. Not the other variants' bits (bf16 products). -1: no memory or a format
+   without the path, nothing written. */
+size_t kiln_bf16_tiles_bytes(int cols, int n_tok);
+int kiln_bf16_tiles(kiln_wfmt fmt, const void *act, int cols, int n_tok, int paired, uint16_t *dst);
+int kiln_matmul_bf16(const kiln_wmat *w, const uint16_t *tiles, int n_tok, float *y, int ldy, int tile0, int tile1);
 #endif

@@ -105,10 +105,9 @@ static void qkv_compute(void *ctx, int c, int thread) {
         qkv_head(op, h, &which, &head);
         while (e < h1 && (qkv_head(op, e, &which_end, &head_end), which_end == which)) e++;
         const kiln_wmat *w = which == 0 ? op->wq : which == 1 ? op->wk : op->wv;
-        const void *act = op->act[which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act];
+        int k = which == 0 ? op->q_act : which == 1 ? op->k_act : op->v_act;
         int r0 = head * hd, r1 = r0 + (e - h) * hd, off = (h - h0) * hd;
-        kiln_matmul(w, act, act_rows(op, w, n), y + off - r0, width, r0 / 4, (r1 + 3) / 4);
-        fold_pairs(op, w, y + off, n, r1 - r0, width);
+        job_matmul(j, w, k, n, y + off, width, r0, r1);
         const float *bias = which == 0 ? op->bq : which == 1 ? op->bk : op->bv;
         const kiln_norm *norm = which == 0 ? &op->qnorm : &op->knorm;
         for (int t = 0; t < n; t++)
@@ -234,6 +233,8 @@ void kiln_qkv_bounds(const kiln_op *op, kiln_bounds *b) {
 }
 
 int64_t kiln_qkv_run(kiln_plan *p, job *j) {
+    const kiln_op *op = j->op;
+    if (op->q_act == op->k_act && op->k_act == op->v_act) kiln_job_tiles(p, j, op->q_act, op->wq, op->wk, op->wv);
     int64_t wait = kiln_pool_run(p->pool, qkv_compute, qkv_commit, j, qkv_chunks(j));
     if (j->op->qk_norm_whole) wait += kiln_pool_run(p->pool, qk_row_compute, qk_row_commit, j, j->n_rows);
     return wait;

@@ -120,8 +120,7 @@ static void matmul_compute(void *ctx, int c, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *y = scratch(j, thread);
-    matmul_rows(op->w, op->act[op->w_act], act_rows(op, op->w, j->n_rows), y, r0, r1);
-    fold_pairs(op, op->w, y, j->n_rows, n, n);
+    job_matmul(j, op->w, op->w_act, j->n_rows, y, n, r0, r1);
     add_bias(op->bias, y, j->n_rows, r0, n);
     if (op->activate)
         for (int t = 0; t < j->n_rows; t++) act_row(op->glu_act, y + (size_t)t * n, n);
@@ -140,7 +139,10 @@ static void matmul_commit(void *ctx, int c, int thread) {
     commit_rows(j, j->op->out, j->op->rows, j->n_rows, c, thread);
 }
 
-int64_t kiln_matmul_run(kiln_plan *p, job *j) { return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(j->op)); }
+int64_t kiln_matmul_run(kiln_plan *p, job *j) {
+    kiln_job_tiles(p, j, j->op->w_act, j->op->w, NULL, NULL);
+    return kiln_pool_run(p->pool, matmul_compute, matmul_commit, j, chunks_of(j->op));
+}
 
 /* ---- OP_GLU ---- */
 
@@ -168,11 +170,15 @@ static void glu_compute(void *ctx, int c, int thread) {
     chunk_rows(op, c, &r0, &r1);
     int n = r1 - r0;
     float *g = scratch(j, thread), *u = g + (size_t)j->n_rows * n;
-    matmul_rows(op->w, op->act[op->w_act], j->n_rows, g, r0, r1);
-    matmul_rows(op->w2, op->act[op->w2_act], j->n_rows, u, r0, r1);
+    job_matmul(j, op->w, op->w_act, j->n_rows, g, n, r0, r1);
+    job_matmul(j, op->w2, op->w2_act, j->n_rows, u, n, r0, r1);
     add_bias(op->bias, g, j->n_rows, r0, n);
     add_bias(op->bias2, u, j->n_rows, r0, n);
     for (int t = 0; t < j->n_rows; t++) kiln_glu_row(op->glu_act, g + (size_t)t * n, u + (size_t)t * n, g + (size_t)t * n, n);
 }
 
-int64_t kiln_glu_run(kiln_plan *p, job *j) { return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(j->op)); }
+int64_t kiln_glu_run(kiln_plan *p, job *j) {
+    const kiln_op *op = j->op;
+    if (op->w_act == op->w2_act) kiln_job_tiles(p, j, op->w_act, op->w, op->w2, NULL);
+    return kiln_pool_run(p->pool, glu_compute, matmul_commit, j, chunks_of(op));
+}

@@ -146,6 +146,20 @@ static inline void matmul_rows(const kiln_wmat *w, const void *act, int n_rows, 
     kiln_matmul(w, act, n_rows, y - r0, r1 - r0, r0 / 4, (r1 + 3) / 4);
 }
 
+/* Before an op's chunks run: on AMX with enough rows, its activation k as bf16 tiles for the integer
+ * matrices a, b and c (NULL: none) in the plan's amx_tiles, else j->tiles = NULL (plan.c). */
+void kiln_job_tiles(kiln_plan *p, job *j, int k, const kiln_wmat *a, const kiln_wmat *b, const kiln_wmat *c);
+
+/* Rows [r0, r1) of w times the op's activation k for the job's n rows, into y[t * ldy + r - r0]: on the
+ * job's bf16 tiles when it has them for k, else kiln_matmul (precise pairs folded). */
+static inline void job_matmul(const job *j, const kiln_wmat *w, int k, int n, float *y, int ldy, int r0, int r1) {
+#if KILN_X86
+    if (j->tiles && j->tiles_act == k && kiln_matmul_bf16(w, j->tiles, n, y - r0, ldy, r0 / 4, (r1 + 3) / 4) == 0) return;
+#endif
+    kiln_matmul(w, j->op->act[k], act_rows(j->op, w, n), y - r0, ldy, r0 / 4, (r1 + 3) / 4);
+    fold_pairs(j->op, w, y, n, r1 - r0, ldy);
+}
+
 /* Rows [r0, r1) of the op's output that chunk c produces. */
 static inline void chunk_rows(const kiln_op *op, int c, int *r0, int *r1) {
     *r0 = c * op->chunk_tiles * 4;

@@ -23,12 +23,30 @@ size_t kiln_op_scratch(const kiln_op *op, int rows, int out_rows) {
     }
 }
 
+void kiln_job_tiles(kiln_plan *p, job *j, int k, const kiln_wmat *a, const kiln_wmat *b, const kiln_wmat *c) {
+    j->tiles = NULL;
+#if KILN_X86
+    const kiln_wmat *ws[3] = {a, b, c};
+    if (!p->amx_tiles || j->n_rows < KILN_AMX_MIN_TOKENS || kiln_active_isa() != ISA_AMX) return;
+    for (int i = 0; i < 3; i++)
+        if (ws[i] && (kiln_act_kind(ws[i]->fmt) != KILN_ACT_Q8 || ws[i]->cols != a->cols)) return;
+    if (kiln_bf16_tiles_bytes(a->cols, j->n_rows) > p->amx_tiles_bytes) return;
+    if (kiln_bf16_tiles(a->fmt, j->op->act[k], a->cols, j->n_rows, paired(j->op, a), p->amx_tiles) == 0) {
+        j->tiles = p->amx_tiles;
+        j->tiles_act = k;
+    }
+#else
+    (void)p, (void)k, (void)a, (void)b, (void)c;
+#endif
+}
+
 static int64_t run_op(kiln_plan *p, int i, int n_rows, int n_out) {
     job *j = &p->jobs[i];
     j->plan = p;
     j->op = &p->ops[i];
     j->n_rows = n_rows;
     j->n_out = n_out;
+    j->tiles = NULL;
     switch (j->op->kind) {
     case OP_EMBED: return kiln_embed_run(p, j);
     case OP_NORM_QUANT: case OP_QUANT: return kiln_quant_run(p, j);

@@ -165,6 +165,9 @@ typedef struct {
     kiln_plan *plan;
     const kiln_op *op;
     int n_rows, n_out;
+    /* the op's activation tiles_act as bf16 tiles for this run (ops.h, job_tiles), or NULL */
+    const uint16_t *tiles;
+    int tiles_act;
 } kiln_job;
 
 struct kiln_plan {
@@ -202,6 +205,10 @@ struct kiln_plan {
     int64_t runs;
     int64_t *op_t0_ns, *op_t1_ns; /* start and end of each op in the last traced run (kiln_now_ns) */
     int error; /* errno of a failed read of the embedding table during the last run, else 0 */
+    /* AMX prefill: one op's activation as bf16 tiles (kiln_bf16_tiles), sized for the widest matrix op at
+     * max_rows; NULL where the CPU lacks AMX or max_rows is below KILN_AMX_MIN_TOKENS */
+    uint16_t *amx_tiles;
+    size_t amx_tiles_bytes;
 };
 
 /* Chunks of a QKV op over `heads` heads (q, k and v together) at most `per` a chunk. */

@@ -294,6 +294,7 @@ static void plan_dealloc(Plan *p) {
     PyMem_Free(p->plan.attn_unit0);
     PyMem_Free(p->plan.attn_floats0);
     if (p->plan.attn_partial) munmap(p->plan.attn_partial, p->plan.attn_partial_bytes);
+    if (p->plan.amx_tiles) munmap(p->plan.amx_tiles, p->plan.amx_tiles_bytes);
     PyMem_Free(p->plan.logit_floor);
     PyMem_Free(p->plan.remainder_floor);
     PyMem_Free(p->plan.chunk_best);
@@ -442,6 +443,23 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (k->attn_partial == MAP_FAILED) k->attn_partial = NULL;
 #ifdef MADV_NOHUGEPAGE
     else madvise(k->attn_partial, k->attn_partial_bytes, MADV_NOHUGEPAGE);
+#endif
+#if KILN_X86
+    /* the AMX prefill's bf16 tiles (kern_amx.c), mapped as attn_partial is; a failed map leaves the int8 path */
+    if (rows >= KILN_AMX_MIN_TOKENS && !kiln_isa_missing(ISA_AMX)) {
+        size_t bytes = 0;
+        for (int i = 0; i < k->n_ops; i++) {
+            const kiln_op *op = &k->ops[i];
+            const kiln_wmat *w = op->kind == OP_QKV ? op->wq : op->kind == OP_MATMUL || op->kind == OP_GLU ? op->w : NULL;
+            size_t need = w ? kiln_bf16_tiles_bytes(w->cols, rows) : 0;
+            bytes = need > bytes ? need : bytes;
+        }
+        if (bytes) {
+            k->amx_tiles = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (k->amx_tiles == MAP_FAILED) k->amx_tiles = NULL;
+            else k->amx_tiles_bytes = bytes;
+        }
+    }
 #endif
     k->logit_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));
     k->remainder_floor = PyMem_Calloc((size_t)rows + 1, sizeof(float));

@@ -515,6 +515,11 @@ static inline E512 emu_load_ps(const float *p) { return emu_loadu_ps(p); }
 static inline E512 emu_load_si512(const void *p) { return emu_loadu_si512(p); }
 static inline void emu_storeu_si512(void *p, E512 v) { memcpy(p, &v, 64); }
 static inline void emu_mask_storeu_ps(float *p, emask16 k, E512 v) { L16 if (k >> i & 1) p[i] = v.f[i]; }
+typedef E512 E512bh;
+static inline E512 emu_cvtepi8_epi32(__m128i a) { E512 r; int8_t s[16]; memcpy(s, &a, 16); L16 r.d[i] = s[i]; return r; }
+static inline E512 emu_permutexvar_ps(E512 idx, E512 a) { E512 r; L16 r.f[i] = a.f[idx.u[i] & 15]; return r; }
+static inline uint16_t emu_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16); }
+static inline E512 emu_cvtne2ps_pbh(E512 hi, E512 lo) { E512 r; L16 { r.w[i] = emu_bf16(lo.f[i]); r.w[16 + i] = emu_bf16(hi.f[i]); } return r; }
 static inline E512 emu_permutex2var_epi32(E512 a, E512 idx, E512 b) { E512 r; L16 { int j = idx.u[i] & 31; r.u[i] = j < 16 ? a.u[j] : b.u[j - 16]; } return r; }
 static uint8_t emu_tiles[8][16][64];
 static uint8_t emu_rows[8];
@@ -540,6 +545,17 @@ static inline void emu_tile_dpbssd(int c, int a, int b) {
             memcpy(&s, &emu_tiles[c][m][4 * n], 4);
             for (int k = 0; k < emu_colsb[a] / 4; k++)
                 for (int i = 0; i < 4; i++) s += (int32_t)(int8_t)emu_tiles[a][m][4 * k + i] * (int8_t)emu_tiles[b][k][4 * n + i];
+            memcpy(&emu_tiles[c][m][4 * n], &s, 4);
+        }
+}
+static inline float emu_from_bf16(const uint8_t *p) { uint32_t u = (uint32_t)(p[0] | p[1] << 8) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline void emu_tile_dpbf16ps(int c, int a, int b) { /* fp32 sums of bf16 pairs */
+    for (int m = 0; m < emu_rows[c]; m++)
+        for (int n = 0; n < emu_colsb[c] / 4; n++) {
+            float s;
+            memcpy(&s, &emu_tiles[c][m][4 * n], 4);
+            for (int k = 0; k < emu_colsb[a] / 4; k++)
+                for (int i = 0; i < 2; i++) s += emu_from_bf16(&emu_tiles[a][m][4 * k + 2 * i]) * emu_from_bf16(&emu_tiles[b][k][4 * n + 2 * i]);
             memcpy(&emu_tiles[c][m][4 * n], &s, 4);
         }
 }
@@ -670,6 +686,54 @@ def test_amx_matches_generic_bit_for_bit(t):
             assert np.array_equal(y, ref), where + f", chunks split at tile {cut}"
     finally:
         K.force_isa(before)
+
+
+# ---- AMX prefill: bf16 tiles --------------------------------------------------------------------------------
+# kiln_bf16_tiles lays a Q8 activation out as bf16 once per op, kiln_matmul_bf16 multiplies the weights as bf16
+# on it: each product rounds both factors to 8 significant bits, so it matches the int8 kernels within that
+# rounding, not bit for bit (PERF.md, "AMX prefill on bf16 tiles"). Precise pairs are summed into one row.
+BF16_TOLERANCE = 1e-2  # of the largest output: the rounding measured 2-3e-3 on these shapes
+
+
+def _bf16_matmul(lib, pm, act, n, paired, cut):
+    tiles = np.zeros(lib.kiln_bf16_tiles_bytes(pm.cols, n) // 2 + 32, np.uint16)
+    assert lib.kiln_bf16_tiles(int(pm.fmt), ctypes.c_void_p(act.ctypes.data), pm.cols, n, int(paired),
+                               ctypes.c_void_p(tiles.ctypes.data)) == 0
+    y = np.full((n, pm.rows), np.nan, np.float32)
+    w = _WMat(int(pm.fmt), pm.rows, pm.cols, pm.rows_padded, pm.tile_bytes, pm.data.ctypes.data)
+    for t0, t1 in ((0, cut), (cut, pm.tiles)):  # two calls, as two chunks
+        assert lib.kiln_matmul_bf16(ctypes.byref(w), ctypes.c_void_p(tiles.ctypes.data), n,
+                                    ctypes.c_void_p(y.ctypes.data), pm.rows, t0, t1) == 0
+    return y
+
+
+def _check_bf16(lib, t, label):
+    lib.kiln_bf16_tiles_bytes.restype = ctypes.c_size_t
+    for i, (rows, cols, n) in enumerate(_amx_cases(t)):
+        rng = rng_for("bf16", label, t, cols)
+        pm = K.pack(t, random_weights(t, rows, cols, rng), rows, cols)
+        paired = i % 2 == 1
+        x = activations(t, n, cols, rng)
+        act = K.quantize_act(pm.fmt, np.concatenate([x, x * np.float32(1 / 64)]) if paired else x)
+        ref = K.matmul(pm, act, 2 * n if paired else n)
+        ref = ref[:n] + ref[n:] if paired else ref
+        y = _bf16_matmul(lib, pm, act, n, paired, 1 + int(rng.integers(0, max(1, pm.tiles - 1))))
+        err = float(np.abs(y - ref).max() / np.abs(ref).max())
+        assert err < BF16_TOLERANCE, ctx(t.name, label, f"rows {rows}", f"cols {cols}", f"n_tok {n}", f"paired {paired}", f"error {err:.2e}")
+
+
+@pytest.mark.parametrize("t", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_amx_bf16_logic_under_emulation(t, emulated_avx512):
+    _check_bf16(emulated_avx512, t, "emulated amx bf16")
+
+
+@pytest.mark.parametrize("t", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_amx_bf16_tiles_match_the_int8_kernels(t):
+    if K.isa_missing("amx"):
+        pytest.skip(f"CPU lacks {K.isa_missing('amx')}")
+    import kiln._native
+
+    _check_bf16(ctypes.CDLL(kiln._native.__file__), t, "amx bf16")
 
 
 # ---- MXFP4's exponents -------------------------------------------------------------------------------------

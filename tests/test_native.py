@@ -101,10 +101,11 @@ def test_quantized_model_is_close_to_oracle(qtype, tmp_path, isa):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.MXFP4])
-def test_amx_prefill_gives_the_avx512_bits(qtype, tmp_path):
+def test_amx_prefill_runs_on_bf16_tiles(qtype, tmp_path):
     """A prompt long enough for the AMX tiles (on both pool threads, each with its own tile state): the
-    same logits, bit for bit, as the AVX-512 kernels. (All rows' logits would run in chunks of the logits
-    rows, too few for the tiles.)"""
+    dense ops' products run on bf16 tiles (kern_amx.c), so the logits leave the AVX-512 kernels' bits by
+    the bf16 rounding only, and stay as close to the oracle. (All rows' logits would run in chunks of the
+    logits rows, too few for the tiles.)"""
     if kernels.isa_missing("amx"):
         pytest.skip(f"CPU lacks {kernels.isa_missing('amx')}")
     path = write_random_gguf(tmp_path / "q.gguf", "tiny-qwen3", qtype=qtype, seed=6)
@@ -118,8 +119,10 @@ def test_amx_prefill_gives_the_avx512_bits(qtype, tmp_path):
         got = native.forward(ids)
     finally:
         kernels.force_isa(before)
-    assert np.array_equal(got, want)
-    assert kld(oracle.forward(ids), got).mean() < 0.01
+    assert not np.array_equal(got, want)  # the tiles ran
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    ref = oracle.forward(ids)
+    assert kld(ref, got).mean() < 1e-3 and got.argmax() == ref.argmax()
 
 
 @pytest.mark.parametrize("family,vocab", [("tiny-qwen2", 509), ("tiny-gemma3", 512)])

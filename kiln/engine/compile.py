@@ -172,7 +172,9 @@ class Lowering:
         tiles = lay["rows_padded"] // 4
         by_balance = -(-tiles // (4 * self.threads))
         by_size = max(1, 65536 // max(1, lay["tile_bytes"]))
-        return max(1, min(by_balance, by_size))
+        tiles = max(1, min(by_balance, by_size))
+        # the AMX prefill multiplies 32 rows (8 tiles) at a time: a chunk of whole such pairs wastes none
+        return tiles // 8 * 8 if tiles >= 8 else tiles
 
     # ---- values and activations --------------------------------------------------------------------
     def value(self, node: Node) -> Buf:
