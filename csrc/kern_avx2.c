@@ -28,6 +28,8 @@ typedef struct {
 
 ALWAYS __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 ALWAYS __m256 f16x1(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _mm256_set1_ps(_cvtsh_ss(v)); }
+/* A K-quant header's d and dmin (two f16 at p) in lanes 0 and 1. */
+ALWAYS __m128 d_dmin(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm_cvtph_ps(_mm_cvtsi32_si128(v)); }
 ALWAYS __m256i ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 #include "mxfp4_avx2.h"
@@ -70,11 +72,15 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
         }
     }
     switch (f) {
-    case KF_Q4_K: case KF_Q5_K: {
-        __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4)));
-        p->sc = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-        p->d = f16x1(h);
-        p->m = _mm256_mul_ps(f16x1(h + 2), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
+    case KF_Q4_K: case KF_Q5_K: { /* header d, dmin, sc[8], m[8]: one conversion for d and dmin, sc_j
+                                     spread to lane j's two i16 halves by one shuffle */
+        const __m256i sc_pairs = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
+                                                  4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
+        p->sc = _mm256_shuffle_epi8(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(h + 4))), sc_pairs);
+        __m256 dm = _mm256_castps128_ps256(d_dmin(h));
+        p->d = _mm256_broadcastss_ps(_mm256_castps256_ps128(dm));
+        p->m = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(1)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
         break;
     }
     case KF_Q6_K: {

@@ -23,10 +23,13 @@ typedef struct {
     __m256i sc, sc2; /* Q4K/Q5K: sc_j; Q6K: sc_2j and sc_2j+1 (i32 per lane) */
     __m256i sc16;    /* Q6K: (sc_2j, sc_2j+1) i16 pairs, for the offset correction */
     __m256 d, m;
+    __m256 scf;      /* Q4K/Q5K: sc_j as float (a block sum times sc_j stays below 2^24: exact either way) */
 } wrow;
 
 ALWAYS __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 ALWAYS __m256 f16x1(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _mm256_set1_ps(_cvtsh_ss(v)); }
+/* A K-quant header's d and dmin (two f16 at p) in lanes 0 and 1. */
+ALWAYS __m128 d_dmin(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm_cvtph_ps(_mm_cvtsi32_si128(v)); }
 ALWAYS __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 ALWAYS __m512i ld512(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
@@ -69,10 +72,14 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
     }
     switch (f) {
     case KF_Q4_K: case KF_Q5_K:
-        p->sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4)));
-        p->d = f16x1(h);
-        p->m = _mm256_mul_ps(f16x1(h + 2), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
+    {   /* one conversion for d and dmin */
+        p->scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 4))));
+        __m256 dm = _mm256_castps128_ps256(d_dmin(h));
+        p->d = _mm256_broadcastss_ps(_mm256_castps256_ps128(dm));
+        p->m = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(1)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(h + 12)))));
         break;
+    }
     case KF_Q6_K:
         p->sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(h + 2)));
         p->sc = _mm256_srai_epi32(_mm256_slli_epi32(p->sc16, 16), 16);
@@ -91,8 +98,9 @@ ALWAYS void prep(kiln_wfmt f, const uint8_t *h, const uint8_t *q, int nb, wrow *
 }
 
 ALWAYS __m256 fstep(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256i i32, __m256 acc) {
-    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(p->d, dx), acc);
+    __m256 dx = _mm256_loadu_ps((const float *)(ag + KILN_AG_D)), sum = _mm256_cvtepi32_ps(i32);
+    if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm256_mul_ps(sum, p->scf);
+    acc = _mm256_fmadd_ps(sum, _mm256_mul_ps(p->d, dx), acc);
     if (f == KF_Q4_1) acc = _mm256_fmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
     if (f == KF_Q4_K || f == KF_Q5_K) acc = _mm256_fnmadd_ps(p->m, _mm256_loadu_ps((const float *)(ag + KILN_AG_S)), acc);
     return acc;
@@ -153,7 +161,6 @@ ALWAYS __m256 dot(kiln_wfmt f, const wrow *p, const uint8_t *ag, __m256 acc) {
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p->w[0], a[0]);
         for (int i = 1; i < 4; i++) s = _mm512_dpbusd_epi32(s, p->w[i], a[i]);
         i32 = fold(s);
-        if (f == KF_Q4_K || f == KF_Q5_K) i32 = _mm256_mullo_epi32(i32, p->sc);
         i32 = offset(f, i32, ag);
     }
     return fstep(f, p, ag, i32, acc);
@@ -231,16 +238,16 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
             prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
             chunks_by_pair(&w0, &w1, pw);
             __m512 d = both(w0.d, w1.d), m = _mm512_setzero_ps();
-            __m512i sc = _mm512_setzero_si512();
+            __m512 sc = _mm512_setzero_ps();
             if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m = both(w0.m, w1.m);
-            if (f == KF_Q4_K || f == KF_Q5_K) sc = halves(w0.sc, w1.sc);
+            if (f == KF_Q4_K || f == KF_Q5_K) sc = both(w0.scf, w1.scf);
             for (int t = 0; t < n; t++) {
                 const uint8_t *at = ag + t * stride;
                 __m512i i32 = dpsum_pair(pw, at);
-                if (f == KF_Q4_K || f == KF_Q5_K) i32 = _mm512_mullo_epi32(i32, sc);
                 i32 = offset_pair(f, i32, at);
-                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps();
-                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(d, bcast8(at + KILN_AG_D)), a);
+                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32);
+                if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc);
+                a = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, bcast8(at + KILN_AG_D)), a);
                 if (f == KF_Q4_1) a = _mm512_fmadd_ps(m, bcast8(at + KILN_AG_S), a);
                 if (f == KF_Q4_K || f == KF_Q5_K) a = _mm512_fnmadd_ps(m, bcast8(at + KILN_AG_S), a);
                 pacc[pr][t] = a;
