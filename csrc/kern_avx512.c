@@ -20,7 +20,7 @@
 typedef struct {
     __m512i w[4];    /* chunk pairs (0,1), (2,3), (4,5), (6,7): unsigned bytes */
     __m256i h[4];    /* short group of nb <= 4 blocks: chunk L (low 128 bits) and chunk L+4 (high) */
-    __m256i sc, sc2; /* Q4K/Q5K: sc_j; Q6K: sc_2j and sc_2j+1 (i32 per lane) */
+    __m256i sc, sc2; /* Q6K: sc_2j and sc_2j+1 (i32 per lane) */
     __m256i sc16;    /* Q6K: (sc_2j, sc_2j+1) i16 pairs, for the offset correction */
     __m256 d, m;
     __m256 scf;      /* Q4K/Q5K: sc_j as float (a block sum times sc_j stays below 2^24: exact either way) */
