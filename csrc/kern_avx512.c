@@ -204,52 +204,61 @@ ALWAYS void chunks_by_pair(const wrow *w0, const wrow *w1, __m512i pw[8]) {
     }
 }
 
-/* Both rows' block sums for one token: even and odd chunks in two chains (half the dependent latency). */
-ALWAYS __m512i dpsum_pair(const __m512i pw[8], const uint8_t *ag) {
-    __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pw[0], _mm512_broadcast_i64x4(ld256(ag)));
-    __m512i o = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pw[1], _mm512_broadcast_i64x4(ld256(ag + 32)));
-    for (int c = 2; c < 8; c += 2) {
-        e = _mm512_dpbusd_epi32(e, pw[c], _mm512_broadcast_i64x4(ld256(ag + 32 * c)));
-        o = _mm512_dpbusd_epi32(o, pw[c + 1], _mm512_broadcast_i64x4(ld256(ag + 32 * (c + 1))));
+/* Minus the offset correction of a block sum (kernels.h), both halves: the even chain starts from it, so the
+   integer sum comes out corrected at no cost per pair. */
+ALWAYS __m512i neg_offset(kiln_wfmt f, const uint8_t *ag) {
+    __m512i sum32 = _mm512_broadcast_i64x4(ld256(ag + KILN_AG_SUM32)), zero = _mm512_setzero_si512();
+    if (f == KF_Q4_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 3));
+    if (f == KF_Q5_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 4));
+    if (f == KF_Q8_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 7));
+    if (f == KF_MXFP4) return _mm512_sub_epi32(zero, _mm512_add_epi32(_mm512_slli_epi32(sum32, 3), _mm512_slli_epi32(sum32, 2)));
+    return zero;
+}
+
+/* Both pairs' block sums for one token, corrected: each broadcast chunk of the token serves the two pairs;
+   even and odd chunks in separate chains (half the dependent latency). */
+ALWAYS void dpsum_pairs(const __m512i pw[2][8], const uint8_t *ag, __m512i init, __m512i out[2]) {
+    __m512i e[2] = {init, init}, o[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int c = 0; c < 8; c += 2) {
+        __m512i xe = _mm512_broadcast_i64x4(ld256(ag + 32 * c)), xo = _mm512_broadcast_i64x4(ld256(ag + 32 * (c + 1)));
+        for (int pr = 0; pr < 2; pr++) {
+            e[pr] = _mm512_dpbusd_epi32(e[pr], pw[pr][c], xe);
+            o[pr] = _mm512_dpbusd_epi32(o[pr], pw[pr][c + 1], xo);
+        }
     }
-    return _mm512_add_epi32(e, o);
+    for (int pr = 0; pr < 2; pr++) out[pr] = _mm512_add_epi32(e[pr], o[pr]);
 }
 
-ALWAYS __m512i offset_pair(kiln_wfmt f, __m512i i32, const uint8_t *ag) {
-    __m512i sum32 = _mm512_broadcast_i64x4(ld256(ag + KILN_AG_SUM32));
-    if (f == KF_Q4_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 3));
-    if (f == KF_Q5_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 4));
-    if (f == KF_Q8_0) return _mm512_sub_epi32(i32, _mm512_slli_epi32(sum32, 7));
-    if (f == KF_MXFP4) return _mm512_sub_epi32(i32, _mm512_add_epi32(_mm512_slli_epi32(sum32, 3), _mm512_slli_epi32(sum32, 2)));
-    return i32;
-}
-
-/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1). */
+/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1): per group both pairs are regrouped
+   once, then every token meets both. */
 ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     __m512 pacc[2][TB];
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        __m512i pw[2][8];
+        __m512 d[2], m[2], sc[2];
         for (int pr = 0; pr < 2; pr++) {
             wrow w0, w1;
-            __m512i pw[8];
             prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
             prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
-            chunks_by_pair(&w0, &w1, pw);
-            __m512 d = both(w0.d, w1.d), m = _mm512_setzero_ps();
-            __m512 sc = _mm512_setzero_ps();
-            if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m = both(w0.m, w1.m);
-            if (f == KF_Q4_K || f == KF_Q5_K) sc = both(w0.scf, w1.scf);
-            for (int t = 0; t < n; t++) {
-                const uint8_t *at = ag + t * stride;
-                __m512i i32 = dpsum_pair(pw, at);
-                i32 = offset_pair(f, i32, at);
-                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32);
-                if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc);
-                a = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, bcast8(at + KILN_AG_D)), a);
-                if (f == KF_Q4_1) a = _mm512_fmadd_ps(m, bcast8(at + KILN_AG_S), a);
-                if (f == KF_Q4_K || f == KF_Q5_K) a = _mm512_fnmadd_ps(m, bcast8(at + KILN_AG_S), a);
+            chunks_by_pair(&w0, &w1, pw[pr]);
+            d[pr] = both(w0.d, w1.d), m[pr] = sc[pr] = _mm512_setzero_ps();
+            if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m[pr] = both(w0.m, w1.m);
+            if (f == KF_Q4_K || f == KF_Q5_K) sc[pr] = both(w0.scf, w1.scf);
+        }
+        for (int t = 0; t < n; t++) {
+            const uint8_t *at = ag + t * stride;
+            __m512i i32[2];
+            dpsum_pairs((const __m512i(*)[8])pw, at, neg_offset(f, at), i32);
+            __m512 dx = bcast8(at + KILN_AG_D), sx = bcast8(at + KILN_AG_S);
+            for (int pr = 0; pr < 2; pr++) {
+                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32[pr]);
+                if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc[pr]);
+                a = _mm512_fmadd_ps(sum, _mm512_mul_ps(d[pr], dx), a);
+                if (f == KF_Q4_1) a = _mm512_fmadd_ps(m[pr], sx, a);
+                if (f == KF_Q4_K || f == KF_Q5_K) a = _mm512_fnmadd_ps(m[pr], sx, a);
                 pacc[pr][t] = a;
             }
         }
