@@ -204,20 +204,15 @@ ALWAYS void chunks_by_pair(const wrow *w0, const wrow *w1, __m512i pw[8]) {
     }
 }
 
-/* Minus the offset correction of a block sum (kernels.h), both halves: the even chain starts from it, so the
+/* Minus offset()'s correction of a token's block sums, in both halves: the even chain starts from it, so the
    integer sum comes out corrected at no cost per pair. */
 ALWAYS __m512i neg_offset(kiln_wfmt f, const uint8_t *ag) {
-    __m512i sum32 = _mm512_broadcast_i64x4(ld256(ag + KILN_AG_SUM32)), zero = _mm512_setzero_si512();
-    if (f == KF_Q4_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 3));
-    if (f == KF_Q5_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 4));
-    if (f == KF_Q8_0) return _mm512_sub_epi32(zero, _mm512_slli_epi32(sum32, 7));
-    if (f == KF_MXFP4) return _mm512_sub_epi32(zero, _mm512_add_epi32(_mm512_slli_epi32(sum32, 3), _mm512_slli_epi32(sum32, 2)));
-    return zero;
+    return _mm512_broadcast_i64x4(offset(f, _mm256_setzero_si256(), ag));
 }
 
 /* Both pairs' block sums for one token, corrected: each broadcast chunk of the token serves the two pairs;
    even and odd chunks in separate chains (half the dependent latency). */
-ALWAYS void dpsum_pairs(const __m512i pw[2][8], const uint8_t *ag, __m512i init, __m512i out[2]) {
+ALWAYS void dpsum_pairs(__m512i pw[2][8], const uint8_t *ag, __m512i init, __m512i out[2]) {
     __m512i e[2] = {init, init}, o[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int c = 0; c < 8; c += 2) {
         __m512i xe = _mm512_broadcast_i64x4(ld256(ag + 32 * c)), xo = _mm512_broadcast_i64x4(ld256(ag + 32 * (c + 1)));
@@ -251,7 +246,7 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
         for (int t = 0; t < n; t++) {
             const uint8_t *at = ag + t * stride;
             __m512i i32[2];
-            dpsum_pairs((const __m512i(*)[8])pw, at, neg_offset(f, at), i32);
+            dpsum_pairs(pw, at, neg_offset(f, at), i32);
             __m512 dx = bcast8(at + KILN_AG_D), sx = bcast8(at + KILN_AG_S);
             for (int pr = 0; pr < 2; pr++) {
                 __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32[pr]);
