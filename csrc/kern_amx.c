@@ -15,6 +15,7 @@
 #if KILN_X86
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
 #include <immintrin.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -448,10 +449,17 @@ void kiln_matmul_amx(const kiln_wmat *w, const void *act, int n_tok, float *y, i
 
    A block scale per 32 weights leaves an int8 tile product 32 deep, each result stored and scaled by
    vector code (docs/PERF.md, "AMX tiles and the int8 peaks"). Here the scales are applied once, where
-   the values are laid out: activations as bf16(q * d), weights as bf16(q * mul + add) for each 16-row
-   slab, and tdpbf16ps accumulates the whole row in fp32 inside the tile unit. Each product rounds both
-   factors to 8 significant bits, so the result is no longer the other variants' bits: it is tested
-   against the oracle by tolerance and KLD. */
+   the values are laid out: activations as bf16(q * d), weights as bf16(q * mul + add), and tdpbf16ps
+   accumulates the whole row in fp32 inside the tile unit. Each product rounds both factors to 8
+   significant bits, so the result is no longer the other variants' bits: it is tested against the
+   oracle by tolerance and KLD.
+
+   The weights are the row operand (A: 16 rows x 32 values of one K-tile), so a row unpacks in its packed
+   order with no transpose; the activations are the column operand (B: 16 pairs x 16 tokens x 2),
+   transposed once per op, and each 16 x 16 result is transposed on its way out. A full group's K-tile c
+   is its chunk c in the lane order (weights 4c..4c+3 of each of the 8 blocks), the order the packed
+   weights and the Q8 activations already share; a short group's K-tile j is its block j in natural
+   order. */
 
 #define BF16_TILE 512 /* bf16 values of one tile: 16 rows x 32 */
 
@@ -467,31 +475,80 @@ ALWAYS __m512i to_bf16(__m512 hi, __m512 lo) {
     return r;
 }
 
-/* One 32-value row of int8 q (and q2 when paired) times its scales, as bf16 into `out`. */
-ALWAYS void bf16_row(const int8_t *q, float d, const int8_t *q2, float d2, uint16_t *out) {
-    __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), _mm512_set1_ps(d));
-    __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), _mm512_set1_ps(d));
-    if (q2) {
-        lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q2))), _mm512_set1_ps(d2), lo);
-        hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q2 + 16)))), _mm512_set1_ps(d2), hi);
+ALWAYS __m512 int8x16(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* Lane e of 16 values from bytes 16h..16h+15 of a chunk belongs to block 4h + e / 4. */
+static const int QUARTER_BLOCK[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+                                         {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+
+/* The index vectors of transpose16. */
+ALWAYS void transpose_index(__m512i il[4], __m512i ih[4]) {
+    for (int st = 0; st < 4; st++) {
+        int m = 1 << st, lo[16], hi[16];
+        for (int j = 0; j < 16; j++) {
+            lo[j] = j & m ? 16 + (j ^ m) : j;
+            hi[j] = j & m ? 16 + j : j | m;
+        }
+        il[st] = idx16(lo);
+        ih[st] = idx16(hi);
     }
-    _mm512_storeu_si512(out, to_bf16(hi, lo));
 }
 
-static float act_scale(const uint8_t *a, int blk) {
-    float d;
-    memcpy(&d, a + (size_t)(blk / 8) * KILN_AG_BYTES + KILN_AG_D + 4 * (blk % 8), 4);
-    return d;
+/* 16 rows of 16 dwords (64 bytes apart from `src`) transposed into dst, row i of dst 64 bytes apart. */
+ALWAYS void transpose_rows(const void *src, void *dst, const __m512i il[4], const __m512i ih[4]) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = ld512((const uint8_t *)src + 64 * i);
+    transpose16(r, il, ih);
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((uint8_t *)dst + 64 * i, r[i]);
 }
 
-/* Q8 activations (kernels.h) of n tokens as bf16 A tiles, [token tile][block][16 tokens][32]: token
+/* One token's Q8 activation (a2: its precise pair's second row, or NULL) as bf16 K-tile rows, K-tile kt's
+   32 values at out + kt * BF16_TILE. */
+static void act_row(const uint8_t *a, const uint8_t *a2, int cols, uint16_t *out) {
+    int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
+    const __m512i q0 = idx16(QUARTER_BLOCK[0]), q1 = idx16(QUARTER_BLOCK[1]);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *ag = a + (size_t)g * KILN_AG_BYTES, *ag2 = a2 ? a2 + (size_t)g * KILN_AG_BYTES : NULL;
+        __m512 d = _mm512_loadu_ps((const float *)(ag + KILN_AG_D)); /* lanes 0..7: the blocks' d */
+        __m512 dlo = _mm512_permutexvar_ps(q0, d), dhi = _mm512_permutexvar_ps(q1, d), d2lo = dlo, d2hi = dhi;
+        if (ag2) {
+            __m512 d2 = _mm512_loadu_ps((const float *)(ag2 + KILN_AG_D));
+            d2lo = _mm512_permutexvar_ps(q0, d2);
+            d2hi = _mm512_permutexvar_ps(q1, d2);
+        }
+        for (int c = 0; c < 8; c++) {
+            __m512 lo = _mm512_mul_ps(int8x16(ag + 32 * c), dlo), hi = _mm512_mul_ps(int8x16(ag + 32 * c + 16), dhi);
+            if (ag2) {
+                lo = _mm512_fmadd_ps(int8x16(ag2 + 32 * c), d2lo, lo);
+                hi = _mm512_fmadd_ps(int8x16(ag2 + 32 * c + 16), d2hi, hi);
+            }
+            _mm512_storeu_si512(out + (size_t)(8 * g + c) * BF16_TILE, to_bf16(hi, lo));
+        }
+    }
+    if (!nt) return;
+    const uint8_t *ag = a + (size_t)G * KILN_AG_BYTES, *ag2 = a2 ? a2 + (size_t)G * KILN_AG_BYTES : NULL;
+    for (int j = 0; j < nt; j++) {
+        float v[32], d, d2 = 0.0f;
+        memcpy(&d, ag + KILN_AG_D + 4 * j, 4);
+        if (ag2) memcpy(&d2, ag2 + KILN_AG_D + 4 * j, 4);
+        for (int i = 0; i < 32; i++) {
+            int at = kiln_act_byte(nt, j, i);
+            v[i] = (float)(int8_t)ag[at] * d;
+            if (ag2) v[i] = fmaf((float)(int8_t)ag2[at], d2, v[i]);
+        }
+        _mm512_storeu_si512(out + (size_t)(8 * G + j) * BF16_TILE, to_bf16(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+    }
+}
+
+/* Q8 activations (kernels.h) of n tokens as bf16 B tiles, [token tile][K-tile][16 pairs][16 tokens][2]: token
    tiles in pairs, the missing tokens zero. Paired (ops.h): rows n..2n-1 hold the second rows, summed in. */
 int kiln_bf16_tiles(kiln_wfmt f, const void *act, int cols, int n, int paired, uint16_t *dst) {
     size_t stride = kiln_act_stride(f, cols);
     int nblk = cols / 32, ntt = (n + 2 * TOK_BLOCK - 1) / (2 * TOK_BLOCK) * 2;
-    size_t stage = (size_t)nblk * 512;
-    uint8_t *x = thread_scratch(2 * stage);
-    if (!x) return -1;
+    uint16_t *rows = (uint16_t *)thread_scratch((size_t)nblk * BF16_TILE * 2); /* [K-tile][token][32] */
+    if (!rows) return -1;
+    __m512i il[4], ih[4];
+    transpose_index(il, ih);
     const uint8_t *a = act;
     for (int tt = 0; tt < ntt; tt++) {
         uint16_t *out = dst + (size_t)tt * nblk * BF16_TILE;
@@ -500,63 +557,115 @@ int kiln_bf16_tiles(kiln_wfmt f, const void *act, int cols, int n, int paired, u
             memset(out, 0, (size_t)nblk * BF16_TILE * 2);
             continue;
         }
-        layout_act(a + (size_t)t0 * stride, stride, cols, cnt, x, nblk, -1, NULL);
-        if (paired) layout_act(a + (size_t)(n + t0) * stride, stride, cols, cnt, x + stage, nblk, -1, NULL);
         for (int r = 0; r < TOK_BLOCK; r++) {
-            if (r >= cnt) {
-                for (int blk = 0; blk < nblk; blk++) memset(out + ((size_t)blk * TOK_BLOCK + r) * 32, 0, 64);
-                continue;
-            }
-            const uint8_t *ar = a + (size_t)(t0 + r) * stride, *ar2 = a + (size_t)(n + t0 + r) * stride;
-            for (int blk = 0; blk < nblk; blk++) {
-                const int8_t *q = (const int8_t *)x + (size_t)blk * 512 + r * 32;
-                bf16_row(q, act_scale(ar, blk), paired ? q + stage : NULL, paired ? act_scale(ar2, blk) : 0.0f,
-                         out + ((size_t)blk * TOK_BLOCK + r) * 32);
-            }
+            if (r < cnt)
+                act_row(a + (size_t)(t0 + r) * stride, paired ? a + (size_t)(n + t0 + r) * stride : NULL, cols, rows + 32 * r);
+            else
+                for (int kt = 0; kt < nblk; kt++) memset(rows + (size_t)kt * BF16_TILE + 32 * r, 0, 64);
         }
+        for (int kt = 0; kt < nblk; kt++) transpose_rows(rows + (size_t)kt * BF16_TILE, out + (size_t)kt * BF16_TILE, il, ih);
     }
     return 0;
 }
 
-/* The int8 B tiles and scales of a slab (unpack_slab) as bf16 B tiles, [block][16 pairs of k][16 rows][2]:
-   value = q * mul + add per row, mul for Q6_K's second 16 weights of a block its second sub-block's. */
-static void bf16_slab(kiln_wfmt f, const uint8_t *b, const wscale *s, int nblk, uint16_t *out) {
-    int rep[4][16], pick[2][16];
-    for (int z = 0; z < 4; z++)
-        for (int e = 0; e < 16; e++) rep[z][e] = 4 * z + e / 4;
-    for (int kp = 0; kp < 2; kp++)
-        for (int n = 0; n < 16; n++) pick[kp][n] = n < 8 ? 2 * n + kp : 16 + 2 * (n - 8) + kp;
-    __m512i vrep[4], vpick[2];
-    for (int z = 0; z < 4; z++) vrep[z] = idx16(rep[z]);
-    for (int kp = 0; kp < 2; kp++) vpick[kp] = idx16(pick[kp]);
-    for (int blk = 0; blk < nblk; blk++) {
-        const wscale *sc = s + blk;
-        __m512 d = _mm512_loadu_ps(sc->d), mul = d, mul2 = d, add = _mm512_setzero_ps();
-        if (f == KF_Q4_0) add = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        if (f == KF_Q5_0) add = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
-        if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) add = _mm512_loadu_ps(sc->m);
-        if (f == KF_Q4_K || f == KF_Q5_K || f == KF_Q6_K) mul = mul2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(sc->sa)));
-        if (f == KF_Q6_K) mul2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_loadu_si512(sc->sb)));
-        __m512 m[2][4], ad[4];
-        for (int z = 0; z < 4; z++) {
-            m[0][z] = _mm512_permutexvar_ps(vrep[z], mul);
-            m[1][z] = _mm512_permutexvar_ps(vrep[z], mul2);
-            ad[z] = _mm512_permutexvar_ps(vrep[z], add);
-        }
-        const uint8_t *bb = b + (size_t)blk * 512;
-        uint16_t *ob = out + (size_t)blk * BF16_TILE;
-        for (int k4 = 0; k4 < 8; k4++) {
-            __m512 v[4];
-            const __m512 *mz = m[k4 >= 4];
-            for (int z = 0; z < 4; z++)
-                v[z] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(bb + 64 * k4 + 16 * z)))), mz[z], ad[z]);
-            __m512i p = to_bf16(v[1], v[0]), q = to_bf16(v[3], v[2]);
-            for (int kp = 0; kp < 2; kp++) _mm512_storeu_si512(ob + (2 * k4 + kp) * 32, _mm512_permutex2var_epi32(p, vpick[kp], q));
-        }
+/* A full group's scales for one row from its header h: mul[half][q] and add[q] for the 16 values of quarter q
+   (bytes 16q..16q+15 of a chunk) of chunks 0..3 (half 0) and 4..7 (half 1); value = stored * mul + add. */
+ALWAYS void group_scales(kiln_wfmt f, const uint8_t *h, __m512 mul[2][2], __m512 add[2]) {
+    __m512i q[2] = {idx16(QUARTER_BLOCK[0]), idx16(QUARTER_BLOCK[1])};
+    __m512 src, asrc = _mm512_setzero_ps();
+    const __m512i eight = _mm512_set1_epi32(8), one = _mm512_set1_epi32(1);
+    switch (f) {
+    case KF_Q4_K: case KF_Q5_K: { /* d, dmin, sc[8], m[8]: lanes 0..7 sc * d, lanes 8..15 -(dmin * m) */
+        __m512 v = int8x16(h + 4);
+        src = _mm512_mul_ps(v, _mm512_set1_ps(kiln_f16_to_f32((uint16_t)(h[0] | h[1] << 8))));
+        asrc = _mm512_mul_ps(v, _mm512_set1_ps(-kiln_f16_to_f32((uint16_t)(h[2] | h[3] << 8))));
+        break;
+    }
+    case KF_Q6_K: /* d, sc[16]: lane 2j block j's first 16 weights, 2j + 1 its second */
+        src = _mm512_mul_ps(int8x16(h + 2), _mm512_set1_ps(kiln_f16_to_f32((uint16_t)(h[0] | h[1] << 8))));
+        break;
+    case KF_MXFP4: {
+        float s[16] = {0};
+        for (int j = 0; j < 8; j++) s[j] = kiln_e8m0_half(h[j]);
+        src = _mm512_loadu_ps(s);
+        break;
+    }
+    default: /* d[8] fp16 (Q4_1: then m[8]) */
+        src = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+    }
+    for (int z = 0; z < 2; z++) {
+        if (f == KF_Q6_K) {
+            __m512i even = _mm512_add_epi32(q[z], q[z]);
+            mul[0][z] = _mm512_permutexvar_ps(even, src);
+            mul[1][z] = _mm512_permutexvar_ps(_mm512_add_epi32(even, one), src);
+        } else
+            mul[0][z] = mul[1][z] = _mm512_permutexvar_ps(q[z], src);
+        if (f == KF_Q4_0) add[z] = _mm512_mul_ps(mul[0][z], _mm512_set1_ps(-8.0f));
+        else if (f == KF_Q5_0) add[z] = _mm512_mul_ps(mul[0][z], _mm512_set1_ps(-16.0f));
+        else if (f == KF_Q4_1) add[z] = _mm512_permutexvar_ps(_mm512_add_epi32(q[z], eight), src);
+        else if (f == KF_Q4_K || f == KF_Q5_K) add[z] = _mm512_permutexvar_ps(_mm512_add_epi32(q[z], eight), asrc);
+        else add[z] = _mm512_setzero_ps();
     }
 }
 
-/* tmm0-3: C, 16 tokens x 16 rows fp32; tmm4, 5: A, 16 tokens x 32 bf16; tmm6, 7: B, 16 pairs x 16 rows x 2. */
+/* Row r of a short group of nb blocks (or the shared tail, p its group) as bf16 K-tile rows, block j natural. */
+static void short_row(kiln_wfmt f, const uint8_t *p, int nb, int r, uint16_t *out) {
+    const int HB = kiln_fmt_head_bytes(f, 8);
+    int hb = kiln_fmt_head_bytes(f, nb), qb = kiln_fmt_quant_bytes(f, nb);
+    uint8_t vals[256];
+    if (kiln_shared_tail(nb)) { /* one row's full group: block 2 * (r % 4) + j is block j of row r */
+        __m512i v[4];
+        group_values(f, p + HB, v);
+        for (int i = 0; i < 4; i++) _mm512_storeu_si512(vals + 64 * i, v[i]);
+    }
+    for (int j = 0; j < nb; j++) {
+        wscale s;
+        float v[32];
+        int src = 2 * (r % 4) + j;
+        if (kiln_shared_tail(nb)) block_scales(f, p, 8, src, &s, 0);
+        else block_scales(f, p + (r % 4) * hb, nb, j, &s, 0);
+        float add = f == KF_Q4_0 ? -8.0f * s.d[0] : f == KF_Q5_0 ? -16.0f * s.d[0] : f == KF_Q4_1 ? s.m[0] : 0.0f;
+        for (int i = 0; i < 32; i++) {
+            int q = kiln_shared_tail(nb) ? (int8_t)vals[32 * (i / 4) + 4 * src + i % 4]
+                                         : short_value(f, p + 4 * hb + (r % 4) * qb, nb, j, i);
+            v[i] = fmaf((float)q, s.d[0], add);
+        }
+        _mm512_storeu_si512(out + (size_t)j * BF16_TILE, to_bf16(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+    }
+}
+
+/* Tiles [ti, ti + 4) of w (those below tile1; the other rows zero) as bf16 A tiles, [K-tile][16 rows][32]. */
+static void bf16_slab(kiln_wfmt f, const kiln_wmat *w, int ti, int tile1, uint16_t *out) {
+    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
+    int G = w->cols / KILN_GROUP, nt = w->cols % KILN_GROUP / 32, nblk = w->cols / 32;
+    int tiles = tile1 - ti < SLAB_TILES ? tile1 - ti : SLAB_TILES;
+    for (int r = 0; r < 16; r++) {
+        uint16_t *o = out + 32 * r;
+        if (r / 4 >= tiles) {
+            for (int kt = 0; kt < nblk; kt++) memset(o + (size_t)kt * BF16_TILE, 0, 64);
+            continue;
+        }
+        const uint8_t *tile = w->data + (size_t)(ti + r / 4) * w->tile_bytes;
+        for (int g = 0; g < G; g++) {
+            const uint8_t *p = tile + (size_t)g * GB;
+            __m512 mul[2][2], add[2];
+            group_scales(f, p + (r % 4) * HB, mul, add);
+            __m512i v[4];
+            uint8_t vals[256];
+            group_values(f, p + 4 * HB + (r % 4) * QB, v);
+            for (int i = 0; i < 4; i++) _mm512_storeu_si512(vals + 64 * i, v[i]);
+            for (int c = 0; c < 8; c++) {
+                const __m512 *m = mul[c >= 4];
+                __m512 lo = _mm512_fmadd_ps(int8x16(vals + 32 * c), m[0], add[0]);
+                __m512 hi = _mm512_fmadd_ps(int8x16(vals + 32 * c + 16), m[1], add[1]);
+                _mm512_storeu_si512(o + (size_t)(8 * g + c) * BF16_TILE, to_bf16(hi, lo));
+            }
+        }
+        if (nt) short_row(f, tile + (size_t)G * GB, nt, r, o + (size_t)8 * G * BF16_TILE);
+    }
+}
+
+/* tmm0-3: C, 16 rows x 16 tokens fp32; tmm4, 5: A, 16 rows x 32 bf16; tmm6, 7: B, 16 pairs x 16 tokens x 2. */
 static void load_config_bf16(void) {
     tilecfg c;
     memset(&c, 0, sizeof c);
@@ -568,57 +677,60 @@ static void load_config_bf16(void) {
     __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
 
-/* C tile `c` into y at (token t, column col): in place when all 16 x 16 are wanted, else through `tmp`. */
-#define STORE_C(c, y, ldy, t, col, nt, nc, tmp) do { \
-        if ((nt) >= 16 && (nc) >= 16) _tile_stored(c, (y) + (size_t)(t) * (ldy) + (col), (ldy) * 4); \
-        else if ((nt) > 0 && (nc) > 0) { \
+/* A C tile stored as 16 rows x 16 tokens in tmp, into y[token][row] for nt tokens from t and nr rows from row. */
+static void store_transposed(const float *tmp, float *y, int ldy, int t, int row, int nt, int nr, const __m512i il[4], const __m512i ih[4]) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = ld512(tmp + 16 * i);
+    transpose16(r, il, ih);
+    __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int i = 0; i < nt; i++) _mm512_mask_storeu_ps(y + (size_t)(t + i) * ldy + row, keep, _mm512_castsi512_ps(r[i]));
+}
+
+#define STORE_C(c, nt, nr, t, row) do { \
+        if ((nt) > 0 && (nr) > 0) { \
             _tile_stored(c, tmp, 64); \
-            for (int r_ = 0; r_ < (nt); r_++) memcpy((y) + (size_t)((t) + r_) * (ldy) + (col), (tmp) + 16 * r_, sizeof(float) * (nc)); \
+            store_transposed(tmp, y, ldy, t, row, (nt) < 16 ? (nt) : 16, (nr) < 16 ? (nr) : 16, il, ih); \
         } \
     } while (0)
 
 static int run_bf16(kiln_wfmt f, const kiln_wmat *w, const uint16_t *a, int n_tok, float *y, int ldy, int tile0, int tile1) {
     int nblk = w->cols / 32, pairs = (n_tok + 2 * TOK_BLOCK - 1) / (2 * TOK_BLOCK);
-    size_t bbytes = (size_t)nblk * 512, sbytes = sizeof(wscale) * nblk, hbytes = (size_t)nblk * BF16_TILE * 2;
-    uint8_t *mem = thread_scratch(bbytes + sbytes + 16 * 256 + 2 * hbytes + 1024);
+    size_t hbytes = (size_t)nblk * BF16_TILE * 2;
+    uint8_t *mem = thread_scratch(2 * hbytes + 1024);
     if (!mem) return -1;
-    uint8_t *b = mem, *wk = b + bbytes + sbytes;
-    wscale *s = (wscale *)(b + bbytes);
-    uint16_t *h0 = (uint16_t *)(wk + 16 * 256), *h1 = h0 + (size_t)nblk * BF16_TILE;
-    float *tmp = (float *)(h1 + (size_t)nblk * BF16_TILE);
+    uint16_t *h0 = (uint16_t *)mem, *h1 = h0 + (size_t)nblk * BF16_TILE;
+    float *tmp = (float *)(mem + 2 * hbytes);
+    __m512i il[4], ih[4];
+    transpose_index(il, ih);
     int end = 4 * tile1 < w->rows ? 4 * tile1 : w->rows;
     load_config_bf16();
     for (int ti = tile0; ti < tile1; ti += 2 * SLAB_TILES) {
-        unpack_slab(f, w, ti, tile1, b, s, nblk, wk);
-        bf16_slab(f, b, s, nblk, h0);
+        bf16_slab(f, w, ti, tile1, h0);
         int second = ti + SLAB_TILES < tile1;
-        if (second) {
-            unpack_slab(f, w, ti + SLAB_TILES, tile1, b, s, nblk, wk);
-            bf16_slab(f, b, s, nblk, h1);
-        } else
-            memset(h1, 0, hbytes);
-        int col0 = 4 * ti, col1 = col0 + 16, nc0 = end - col0 < 16 ? end - col0 : 16, nc1 = end - col1 < 16 ? end - col1 : 16;
+        if (second) bf16_slab(f, w, ti + SLAB_TILES, tile1, h1);
+        else memset(h1, 0, hbytes);
+        int row0 = 4 * ti, row1 = row0 + 16;
         for (int p = 0; p < pairs; p++) {
-            const uint16_t *a0 = a + (size_t)(2 * p) * nblk * BF16_TILE, *a1 = a0 + (size_t)nblk * BF16_TILE;
+            const uint16_t *b0 = a + (size_t)(2 * p) * nblk * BF16_TILE, *b1 = b0 + (size_t)nblk * BF16_TILE;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int blk = 0; blk < nblk; blk++) {
-                _tile_loadd(4, a0 + (size_t)blk * BF16_TILE, 64);
-                _tile_loadd(6, h0 + (size_t)blk * BF16_TILE, 64);
+            for (int kt = 0; kt < nblk; kt++) {
+                _tile_loadd(4, h0 + (size_t)kt * BF16_TILE, 64);
+                _tile_loadd(6, b0 + (size_t)kt * BF16_TILE, 64);
                 _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, h1 + (size_t)blk * BF16_TILE, 64);
+                _tile_loadd(7, b1 + (size_t)kt * BF16_TILE, 64);
                 _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, a1 + (size_t)blk * BF16_TILE, 64);
+                _tile_loadd(5, h1 + (size_t)kt * BF16_TILE, 64);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            int t = 2 * p * TOK_BLOCK, nt0 = n_tok - t < 16 ? n_tok - t : 16, nt1 = n_tok - t - 16 < 16 ? n_tok - t - 16 : 16;
-            STORE_C(0, y, ldy, t, col0, nt0, nc0, tmp);
-            STORE_C(1, y, ldy, t, col1, nt0, nc1, tmp);
-            STORE_C(2, y, ldy, t + 16, col0, nt1, nc0, tmp);
-            STORE_C(3, y, ldy, t + 16, col1, nt1, nc1, tmp);
+            int t = 2 * p * TOK_BLOCK;
+            STORE_C(0, n_tok - t, end - row0, t, row0);
+            STORE_C(1, n_tok - t - 16, end - row0, t + 16, row0);
+            STORE_C(2, n_tok - t, end - row1, t, row1);
+            STORE_C(3, n_tok - t - 16, end - row1, t + 16, row1);
         }
     }
     _tile_release();
