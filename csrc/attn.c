@@ -189,12 +189,23 @@ static int vector_path(int hd) {
 #endif
 }
 
-static const kiln_kv_kernels *kv_kernels_for(int kv_type, int hd) {
-    if (kv_type != KV_F16) return kiln_kv_quant_kernels(kv_type);
 #if defined(KILN_X86)
-    if (vector_path(hd)) return &F16_AVX2;
+static const kiln_kv_kernels F16_AVX512 = {kiln_scores_avx512, kiln_accumulate_avx512};
+#endif
+
+const kiln_kv_kernels *kiln_f16_kernels(int isa, int nq, int hd) {
+#if defined(KILN_X86)
+    if (isa >= ISA_AVX512 && nq > ATTN_FEW_QUERIES && hd <= ATTN_WIDE_MAX_HD) return &F16_AVX512;
+    if (isa >= ISA_AVX2) return &F16_AVX2;
+#else
+    (void)isa, (void)nq, (void)hd;
 #endif
     return &F16_GENERIC;
+}
+
+static const kiln_kv_kernels *kv_kernels_for(int kv_type, int hd, int nq) {
+    if (kv_type != KV_F16) return kiln_kv_quant_kernels(kv_type);
+    return kiln_f16_kernels(vector_path(hd) ? kiln_active_isa() : ISA_GENERIC, nq, hd);
 }
 
 static const softmax_kernels *softmax_for(int hd) {
@@ -230,41 +241,74 @@ void kiln_store_key(const float *x, uint16_t *head_keys, int pos, int hd) {
     for (int d = 0; d < hd; d++) head_keys[kiln_key_index(pos, d, hd)] = half[d];
 }
 
-size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd); }
+size_t kiln_attend_scratch(int n_queries, int hd) { return (size_t)n_queries * (TILE + hd + 1); }
 
-/* One tile's scores of query r, visible in [a, b) of its nk, into probabilities against the running max
- * m and sum l, rescaling the query's output so far: the online softmax, for every cache type. */
-static void softmax_tile(const softmax_kernels *k, float *sr, int nk, int a, int b, float softcap, float *m, float *l,
-                         float *o, int hd) {
+/* One tile's scores of a query, visible in [a, b) of its nk, into exponentials against its running max m
+ * (updated); the rest of the row zero. Returns the factor its sum and output so far take (1: no key seen,
+ * nothing changes). The online softmax, for every cache type. */
+static float softmax_exp(const softmax_kernels *k, float *sr, int nk, int a, int b, float softcap, float *m) {
     if (b <= a) {
         memset(sr, 0, sizeof(float) * nk);
-        return;
+        return 1.0f;
     }
     memset(sr, 0, sizeof(float) * a);
     memset(sr + b, 0, sizeof(float) * (nk - b));
     if (softcap > 0.0f) k->cap_row(sr + a, b - a, softcap);
-    float mx = *m;
-    for (int j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
-    float corr = *m == -INFINITY ? 0.0f : expf(*m - mx);
-    k->exp_row(sr + a, b - a, mx);
-    float sum = 0.0f;
-    for (int j = a; j < b; j++) sum += sr[j];
-    *l = *l * corr + sum;
-    *m = mx;
-    if (corr != 1.0f)
-        for (int d = 0; d < hd; d++) o[d] *= corr;
+    float mx[4] = {*m, *m, *m, *m}; /* four chains: the largest value does not depend on the order */
+    int j = a;
+    for (; j + 4 <= b; j += 4)
+        for (int u = 0; u < 4; u++) mx[u] = sr[j + u] > mx[u] ? sr[j + u] : mx[u];
+    for (; j < b; j++) mx[0] = sr[j] > mx[0] ? sr[j] : mx[0];
+    float top = mx[0];
+    for (int u = 1; u < 4; u++) top = mx[u] > top ? mx[u] : top;
+    float corr = *m == -INFINITY ? 0.0f : expf(*m - top);
+    k->exp_row(sr + a, b - a, top);
+    *m = top;
+    return corr;
+}
+
+/* Sums of n (a constant once inlined) rows of nk exponentials, each added in key order: the zeros outside
+ * a row's visible keys leave its sum's bits as they are, and n rows at once are n independent chains. */
+static inline __attribute__((always_inline)) void row_sums(const float *s, int n, int nk, float *sum) {
+    float acc[8] = {0};
+    for (int j = 0; j < nk; j++)
+        for (int u = 0; u < n; u++) acc[u] += s[u * TILE + j];
+    for (int u = 0; u < n; u++) sum[u] = acc[u];
+}
+
+/* The tile's sums into the queries' l, rescaling l and the outputs so far by each one's corr. */
+static void softmax_sums(const float *s, int nq, int nk, const float *corr, float *l, float *o, int hd) {
+    for (int r0 = 0; r0 < nq; r0 += 8) {
+        float sum[8];
+        const float *s0 = s + (size_t)r0 * TILE;
+        switch (nq - r0 < 8 ? nq - r0 : 8) {
+        case 8: row_sums(s0, 8, nk, sum); break;
+        case 7: row_sums(s0, 7, nk, sum); break;
+        case 6: row_sums(s0, 6, nk, sum); break;
+        case 5: row_sums(s0, 5, nk, sum); break;
+        case 4: row_sums(s0, 4, nk, sum); break;
+        case 3: row_sums(s0, 3, nk, sum); break;
+        case 2: row_sums(s0, 2, nk, sum); break;
+        default: row_sums(s0, 1, nk, sum);
+        }
+        for (int r = r0; r < r0 + 8 && r < nq; r++) {
+            l[r] = l[r] * corr[r] + sum[r - r0];
+            if (corr[r] != 1.0f)
+                for (int d = 0; d < hd; d++) o[(size_t)r * hd + d] *= corr[r];
+        }
+    }
 }
 
 void kiln_attend_part(int kv_type, const float *q, int rows, int group, int hd, int q_stride, const uint8_t *K,
                       const uint8_t *V, int first, int pos0, int window, int key_lo, int key_hi, float scale,
                       float softcap, const uint8_t *next_k, float *scratch, float *o, float *m, float *l) {
-    const kiln_kv_kernels *kv = kv_kernels_for(kv_type, hd);
     const softmax_kernels *sm = softmax_for(hd);
     const size_t gb = kiln_kv_key_group_bytes(kv_type, hd), rb = kiln_kv_value_row_bytes(kv_type, hd);
     int nq = rows * group, last = pos0 + rows - 1 < key_hi - 1 ? pos0 + rows - 1 : key_hi - 1;
+    const kiln_kv_kernels *kv = kv_kernels_for(kv_type, hd, nq);
     if (first < key_lo) first = key_lo;
-    /* scratch: scores, scaled queries */
-    float *s = scratch, *qs = s + (size_t)nq * TILE;
+    /* scratch: scores, scaled queries, each query's rescaling factor for the tile */
+    float *s = scratch, *qs = s + (size_t)nq * TILE, *corr = qs + (size_t)nq * hd;
     memset(o, 0, sizeof(float) * (size_t)nq * hd);
     for (int r = 0; r < nq; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int i = 0; i < rows; i++)
@@ -283,9 +327,10 @@ void kiln_attend_part(int kv_type, const float *q, int rows, int group, int hd, 
             int a = lo - j0 > 0 ? lo - j0 : 0, b = hi - j0 + 1 < nk ? hi - j0 + 1 : nk; /* visible [a, b) */
             for (int g = 0; g < group; g++) {
                 int r = i * group + g;
-                softmax_tile(sm, s + (size_t)r * TILE, nk, a, b, softcap, m + r, l + r, o + (size_t)r * hd, hd);
+                corr[r] = softmax_exp(sm, s + (size_t)r * TILE, nk, a, b, softcap, m + r);
             }
         }
+        softmax_sums(s, nq, nk, corr, l, o, hd);
         kv->accumulate(s, nq, nk, V + (size_t)j0 * rb, hd, o);
     }
 }

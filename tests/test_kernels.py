@@ -514,6 +514,7 @@ static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; 
 static inline E512 emu_load_ps(const float *p) { return emu_loadu_ps(p); }
 static inline E512 emu_load_si512(const void *p) { return emu_loadu_si512(p); }
 static inline void emu_storeu_si512(void *p, E512 v) { memcpy(p, &v, 64); }
+static inline void emu_storeu_ps(float *p, E512 v) { memcpy(p, &v, 64); }
 static inline void emu_mask_storeu_ps(float *p, emask16 k, E512 v) { L16 if (k >> i & 1) p[i] = v.f[i]; }
 typedef E512 E512bh;
 static inline E512 emu_cvtepi8_epi32(__m128i a) { E512 r; int8_t s[16]; memcpy(s, &a, 16); L16 r.d[i] = s[i]; return r; }
@@ -592,12 +593,19 @@ def emulated_avx512(tmp_path_factory):
     amx = amx.replace("__m512i", "E512").replace("__m512", "E512").replace("__mmask16", "emask16").replace("_mm512_", "emu_")
     left = set(re.findall(r"_mm512\w*|__m512\w*|__mmask\w*|_k\w+_mask\w*|(?<!emu)_tile_\w*|__asm__", amx))
     assert not left, f"intrinsics without a stand-in: {left}"
+    attn = (csrc / "attn_avx512.c").read_text()
+    assert "#include <immintrin.h>" in attn
+    attn = re.sub(r"#pragma GCC target\(.*\)", '#pragma GCC target("avx2,fma,f16c")', attn)
+    attn = attn.replace("#include <immintrin.h>", '#include "emuamx.h"').replace("__m512", "E512").replace("_mm512_", "emu_")
+    left = set(re.findall(r"_mm512\w*|__m512\w*|__mmask\w*", attn))
+    assert not left, f"intrinsics without a stand-in: {left}"
     (out / "emu512.h").write_text(EMU512_H)
     (out / "emuamx.h").write_text(EMUAMX_H)
     (out / "kern_avx512_emu.c").write_text(src)
     (out / "kern_amx_emu.c").write_text(amx)
-    sources = [str(csrc / f) for f in ("cpu.c", "pack.c", "kern_generic.c", "kern_avx2.c")] + [str(out / "kern_avx512_emu.c"),
-                                                                                                str(out / "kern_amx_emu.c")]
+    (out / "attn_avx512_emu.c").write_text(attn)
+    sources = [str(csrc / f) for f in ("cpu.c", "pack.c", "kern_generic.c", "kern_avx2.c")] + [
+        str(out / f) for f in ("kern_avx512_emu.c", "kern_amx_emu.c", "attn_avx512_emu.c")]
     lib = out / "libkern_emu.so"
     cmd = [cc, "-O1", "-std=gnu11", "-fno-strict-aliasing", "-DKILN_X86=1", "-shared", "-fPIC", f"-I{csrc}", f"-I{out}",
            *sources, "-o", str(lib), "-lm"]
@@ -734,6 +742,85 @@ def test_amx_bf16_tiles_match_the_int8_kernels(t):
     import kiln._native
 
     _check_bf16(ctypes.CDLL(kiln._native.__file__), t, "amx bf16")
+
+
+# ---- attention over the fp16 cache: the AVX-512 kernels for many queries -------------------------------------
+# attn_avx512.c converts a tile to fp32 once and runs the same FMA chain per lane as the AVX2 kernels, so scores
+# and weighted values are the AVX2 bits: checked on shapes with partial 32-key chunks, query counts that are not
+# whole passes of 8, and head dims of an odd number of 16s.
+_SCORES = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_ACCUMULATE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_void_p)
+
+
+class _KVKernels(ctypes.Structure):
+    _fields_ = [("scores", _SCORES), ("accumulate", _ACCUMULATE)]
+
+
+ATTN_TILE = 64
+ATTN_SHAPES = [(5, 8, 16), (9, 24, 48), (16, 40, 64), (32, 64, 80), (13, 56, 128), (33, 64, 256)]  # (nq, nk, hd)
+
+
+def _native_lib():
+    import kiln._native
+
+    lib = ctypes.CDLL(kiln._native.__file__)
+    lib.kiln_f16_kernels.restype = ctypes.POINTER(_KVKernels)
+    return lib
+
+
+def _attention_case(nq, nk, hd, rng):
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    keys = rng.standard_normal((nk // 8, hd, 8)).astype(np.float16)  # groups of 8 positions, [dim][8] each
+    values = rng.standard_normal((nk, hd)).astype(np.float16)
+    p = rng.random((nq, ATTN_TILE)).astype(np.float32)
+    o = rng.standard_normal((nq, hd)).astype(np.float32)
+    return q, keys, values, p, o
+
+
+def _run_attention(kernels, nq, nk, hd, q, keys, values, p, o):
+    s = np.full((nq, ATTN_TILE), np.nan, np.float32)
+    kernels.scores(q.ctypes.data, nq, hd, keys.ctypes.data, nk, values.ctypes.data, keys.ctypes.data, s.ctypes.data)
+    out = o.copy()
+    kernels.accumulate(p.ctypes.data, nq, nk, values.ctypes.data, hd, out.ctypes.data)
+    return s[:, :nk], out
+
+
+def _check_wide_attention(wide, label):
+    avx2 = _native_lib().kiln_f16_kernels(1, 1, 64).contents  # ISA_AVX2, a decode step's few queries
+    for nq, nk, hd in ATTN_SHAPES:
+        rng = rng_for("attn-avx512", label, nq, nk, hd)
+        case = _attention_case(nq, nk, hd, rng)
+        want_s, want_o = _run_attention(avx2, nq, nk, hd, *case)
+        got_s, got_o = _run_attention(wide, nq, nk, hd, *case)
+        where = ctx(label, f"nq {nq}", f"nk {nk}", f"hd {hd}")
+        assert np.array_equal(got_s.view(np.uint32), want_s.view(np.uint32)), where + ", scores"
+        assert np.array_equal(got_o.view(np.uint32), want_o.view(np.uint32)), where + ", weighted values"
+        q, keys, values, p, o = (a.astype(np.float64) for a in case)
+        assert np.allclose(got_s, q @ keys.transpose(0, 2, 1).reshape(nk, hd).T, rtol=1e-5, atol=1e-4), where + ", scores"
+        assert np.allclose(got_o, o + p[:, :nk] @ values, rtol=1e-5, atol=1e-4), where + ", weighted values"
+
+
+def test_wide_attention_kernels_give_the_avx2_bits():
+    if K.isa_missing("avx512"):
+        pytest.skip(f"CPU lacks {K.isa_missing('avx512')}")
+    lib = _native_lib()
+
+    def scores_at(isa, nq, hd):
+        return ctypes.cast(lib.kiln_f16_kernels(isa, nq, hd).contents.scores, ctypes.c_void_p).value
+
+    # ISA 1 is AVX2, 2 AVX-512: few queries (decode) and head dims past 256 keep the AVX2 kernels
+    assert scores_at(2, 4, 128) == scores_at(1, 4, 128) and scores_at(2, 64, 512) == scores_at(1, 64, 512)
+    assert scores_at(2, 5, 128) != scores_at(1, 5, 128)
+    _check_wide_attention(lib.kiln_f16_kernels(2, 64, 128).contents, "avx512")
+
+
+def test_wide_attention_logic_under_emulation(emulated_avx512):
+    if K.isa_missing("avx2"):
+        pytest.skip(f"CPU lacks {K.isa_missing('avx2')}")
+    wide = _KVKernels(_SCORES(("kiln_scores_avx512", emulated_avx512)), _ACCUMULATE(("kiln_accumulate_avx512", emulated_avx512)))
+    _check_wide_attention(wide, "emulated avx512")
 
 
 # ---- MXFP4's exponents -------------------------------------------------------------------------------------

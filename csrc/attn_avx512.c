@@ -1,0 +1,128 @@
+/* AVX-512 scores and weighted values over the fp16 KV cache, for blocks of many queries (prefill; attn.c
+ * takes the AVX2 kernels for a few, as in decode). A tile's keys and values are converted to fp32 once, on
+ * the stack, and every query of the block streams them: 32 keys (or dimensions) by up to 8 queries a
+ * pass, 16 accumulators, so the FMAs are the bound and no conversion repeats per query. Each output is the
+ * same chain of FMAs as in the AVX2 kernels (a lane per key or dimension, taken in dimension or key
+ * order), so the results are the same bits. */
+#if defined(KILN_X86)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#include <immintrin.h>
+#include <string.h>
+
+#include "attn.h"
+#include "attn_quant.h"
+
+#define ALWAYS static inline __attribute__((always_inline))
+#define QUERIES 8 /* queries a pass */
+
+/* Keys [0, nk) of a tile (groups of KEY_GROUP, [dim][8] each) as fp32 [32-key chunk][dim][32], the
+ * missing keys of the last chunk zero. */
+static void keys_to_f32(const uint16_t *kg, int nk, int hd, float *kf) {
+    const size_t group = (size_t)hd * KEY_GROUP;
+    int groups = nk / KEY_GROUP;
+    for (int c = 0; c * 32 < nk; c++)
+        for (int half = 0; half < 2; half++) {
+            int g = 4 * c + 2 * half; /* groups g, g + 1 fill 16 lanes */
+            const uint16_t *k0 = kg + g * group, *k1 = k0 + group;
+            float *out = kf + (size_t)c * hd * 32 + 16 * half;
+            for (int d = 0; d < hd; d++) {
+                __m128i lo = g < groups ? _mm_loadu_si128((const __m128i *)(k0 + d * KEY_GROUP)) : _mm_setzero_si128();
+                __m128i hi = g + 1 < groups ? _mm_loadu_si128((const __m128i *)(k1 + d * KEY_GROUP)) : _mm_setzero_si128();
+                _mm512_storeu_ps(out + (size_t)d * 32, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1)));
+            }
+        }
+}
+
+/* nq (1..QUERIES, a constant once inlined) queries x 32 keys of one chunk kc ([dim][32]). */
+ALWAYS void scores_32(const float *q, int nq, int hd, const float *kc, float *s) {
+    __m512 a[QUERIES], b[QUERIES];
+    for (int r = 0; r < nq; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m512 x0 = _mm512_loadu_ps(kc + (size_t)d * 32), x1 = _mm512_loadu_ps(kc + (size_t)d * 32 + 16);
+        for (int r = 0; r < nq; r++) {
+            __m512 c = _mm512_set1_ps(q[r * hd + d]);
+            a[r] = _mm512_fmadd_ps(c, x0, a[r]), b[r] = _mm512_fmadd_ps(c, x1, b[r]);
+        }
+    }
+    for (int r = 0; r < nq; r++) _mm512_storeu_ps(s + r * ATTN_TILE, a[r]), _mm512_storeu_ps(s + r * ATTN_TILE + 16, b[r]);
+}
+
+/* kiln_kv_kernels.scores. A chunk past nk writes scores of zero keys up to 32 lanes, inside the tile's row. */
+void kiln_scores_avx512(const float *q, int nq, int hd, const uint8_t *kg, int nk, const uint8_t *v, const uint8_t *next,
+                        float *s) {
+    (void)v, (void)next;
+    float kf[(ATTN_TILE / 32) * 32 * hd];
+    keys_to_f32((const uint16_t *)kg, nk, hd, kf);
+    for (int c = 0; c * 32 < nk; c++) {
+        const float *kc = kf + (size_t)c * hd * 32;
+        float *sc = s + 32 * c;
+        int r = 0;
+        for (; r + QUERIES <= nq; r += QUERIES) scores_32(q + (size_t)r * hd, QUERIES, hd, kc, sc + (size_t)r * ATTN_TILE);
+        const float *qr = q + (size_t)r * hd;
+        float *sr = sc + (size_t)r * ATTN_TILE;
+        switch (nq - r) {
+        case 7: scores_32(qr, 7, hd, kc, sr); break;
+        case 6: scores_32(qr, 6, hd, kc, sr); break;
+        case 5: scores_32(qr, 5, hd, kc, sr); break;
+        case 4: scores_32(qr, 4, hd, kc, sr); break;
+        case 3: scores_32(qr, 3, hd, kc, sr); break;
+        case 2: scores_32(qr, 2, hd, kc, sr); break;
+        case 1: scores_32(qr, 1, hd, kc, sr); break;
+        }
+    }
+}
+
+/* nq (1..QUERIES) queries x 32 dimensions from d of values vf ([key][hd]). */
+ALWAYS void accumulate_32(const float *p, int nq, int nk, const float *vf, int hd, float *o) {
+    __m512 a[QUERIES], b[QUERIES];
+    for (int r = 0; r < nq; r++) a[r] = _mm512_loadu_ps(o + r * hd), b[r] = _mm512_loadu_ps(o + r * hd + 16);
+    for (int j = 0; j < nk; j++) {
+        __m512 v0 = _mm512_loadu_ps(vf + (size_t)j * hd), v1 = _mm512_loadu_ps(vf + (size_t)j * hd + 16);
+        for (int r = 0; r < nq; r++) {
+            __m512 pr = _mm512_set1_ps(p[r * ATTN_TILE + j]);
+            a[r] = _mm512_fmadd_ps(pr, v0, a[r]), b[r] = _mm512_fmadd_ps(pr, v1, b[r]);
+        }
+    }
+    for (int r = 0; r < nq; r++) _mm512_storeu_ps(o + r * hd, a[r]), _mm512_storeu_ps(o + r * hd + 16, b[r]);
+}
+
+/* nq queries x 16 dimensions from d, for a head dim that is an odd number of 16s. */
+ALWAYS void accumulate_16(const float *p, int nq, int nk, const float *vf, int hd, float *o) {
+    __m512 a[QUERIES];
+    for (int r = 0; r < nq; r++) a[r] = _mm512_loadu_ps(o + r * hd);
+    for (int j = 0; j < nk; j++) {
+        __m512 v0 = _mm512_loadu_ps(vf + (size_t)j * hd);
+        for (int r = 0; r < nq; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ATTN_TILE + j]), v0, a[r]);
+    }
+    for (int r = 0; r < nq; r++) _mm512_storeu_ps(o + r * hd, a[r]);
+}
+
+#define BY_QUERIES(fn, p, nq, nk, vf, hd, o) do { \
+        switch (nq) { \
+        case 8: fn(p, 8, nk, vf, hd, o); break; \
+        case 7: fn(p, 7, nk, vf, hd, o); break; \
+        case 6: fn(p, 6, nk, vf, hd, o); break; \
+        case 5: fn(p, 5, nk, vf, hd, o); break; \
+        case 4: fn(p, 4, nk, vf, hd, o); break; \
+        case 3: fn(p, 3, nk, vf, hd, o); break; \
+        case 2: fn(p, 2, nk, vf, hd, o); break; \
+        case 1: fn(p, 1, nk, vf, hd, o); break; \
+        } \
+    } while (0)
+
+/* kiln_kv_kernels.accumulate; hd a multiple of 16. */
+void kiln_accumulate_avx512(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
+    const uint16_t *v = (const uint16_t *)v_bytes;
+    float vf[ATTN_TILE * hd];
+    for (size_t i = 0; i < (size_t)nk * hd; i += 16)
+        _mm512_storeu_ps(vf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + i))));
+    for (int r = 0; r < nq; r += QUERIES) {
+        int n = nq - r < QUERIES ? nq - r : QUERIES;
+        const float *pr = p + (size_t)r * ATTN_TILE;
+        float *orow = o + (size_t)r * hd;
+        int d = 0;
+        for (; d + 32 <= hd; d += 32) BY_QUERIES(accumulate_32, pr, n, nk, vf + d, hd, orow + d);
+        if (d < hd) BY_QUERIES(accumulate_16, pr, n, nk, vf + d, hd, orow + d);
+    }
+}
+#endif
