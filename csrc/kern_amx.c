@@ -233,22 +233,26 @@ ALWAYS void transpose16(__m512i r[16], const __m512i il[4], const __m512i ih[4])
     }
 }
 
+/* The index vectors of transpose16. */
+ALWAYS void transpose_index(__m512i il[4], __m512i ih[4]) {
+    for (int st = 0; st < 4; st++) {
+        int m = 1 << st, lo[16], hi[16];
+        for (int j = 0; j < 16; j++) {
+            lo[j] = j & m ? 16 + (j ^ m) : j;
+            hi[j] = j & m ? 16 + j : j | m;
+        }
+        il[st] = idx16(lo);
+        ih[st] = idx16(hi);
+    }
+}
+
 /* Tiles [ti, ti + 4) of w (those below tile1; the rest are zero rows) into B tiles b (nblk * 512 bytes)
    and scales s (nblk). `work`: 16 * 256 bytes. */
 static void unpack_slab(kiln_wfmt f, const kiln_wmat *w, int ti, int tile1, uint8_t *b, wscale *s, int nblk, uint8_t *work) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     int G = w->cols / KILN_GROUP, nt = w->cols % KILN_GROUP / 32;
-    int il[4][16], ih[4][16];
     __m512i vil[4], vih[4];
-    for (int st = 0; st < 4; st++) {
-        int m = 1 << st;
-        for (int j = 0; j < 16; j++) {
-            il[st][j] = j & m ? 16 + (j ^ m) : j;
-            ih[st][j] = j & m ? 16 + j : j | m;
-        }
-        vil[st] = idx16(il[st]);
-        vih[st] = idx16(ih[st]);
-    }
+    transpose_index(vil, vih);
     int tiles = tile1 - ti < SLAB_TILES ? tile1 - ti : SLAB_TILES;
     memset(s, 0, sizeof(wscale) * nblk);
     for (int g = 0; g < G; g++) {
@@ -480,19 +484,6 @@ ALWAYS __m512 int8x16(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_
 /* Lane e of 16 values from bytes 16h..16h+15 of a chunk belongs to block 4h + e / 4. */
 static const int QUARTER_BLOCK[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
                                          {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
-
-/* The index vectors of transpose16. */
-ALWAYS void transpose_index(__m512i il[4], __m512i ih[4]) {
-    for (int st = 0; st < 4; st++) {
-        int m = 1 << st, lo[16], hi[16];
-        for (int j = 0; j < 16; j++) {
-            lo[j] = j & m ? 16 + (j ^ m) : j;
-            hi[j] = j & m ? 16 + j : j | m;
-        }
-        il[st] = idx16(lo);
-        ih[st] = idx16(hi);
-    }
-}
 
 /* 16 rows of 16 dwords (64 bytes apart from `src`) transposed into dst, row i of dst 64 bytes apart. */
 ALWAYS void transpose_rows(const void *src, void *dst, const __m512i il[4], const __m512i ih[4]) {
