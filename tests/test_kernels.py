@@ -501,7 +501,7 @@ static inline E512 emu_shuffle_i64x2(E512 a, E512 b, int imm) {  /* 128-bit lane
 }
 """
 
-# What kern_amx.c uses on top: more AVX-512, and the AMX tiles (8 registers of up to 16 rows x 64 bytes, shaped
+# What kern_amx.c (and attn_avx512.c) use on top: more AVX-512, and the AMX tiles (8 registers of up to 16 rows x 64 bytes, shaped
 # by the loaded configuration; a load zeroes what its shape leaves out; tdpbssd sums signed byte quadruples).
 EMUAMX_H = r"""
 #include "emu512.h"
