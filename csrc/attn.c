@@ -191,11 +191,13 @@ static int vector_path(int hd) {
 
 #if defined(KILN_X86)
 static const kiln_kv_kernels F16_AVX512 = {kiln_scores_avx512, kiln_accumulate_avx512};
+static const kiln_kv_kernels F16_FEW_AVX512 = {kiln_scores_few_avx512, kiln_accumulate_few_avx512};
 #endif
 
 const kiln_kv_kernels *kiln_f16_kernels(int isa, int nq, int hd) {
 #if defined(KILN_X86)
-    if (isa >= ISA_AVX512 && nq > ATTN_FEW_QUERIES && hd <= ATTN_WIDE_MAX_HD) return &F16_AVX512;
+    if (isa >= ISA_AVX512 && nq <= ATTN_FEW_QUERIES) return &F16_FEW_AVX512;
+    if (isa >= ISA_AVX512 && hd <= ATTN_WIDE_MAX_HD) return &F16_AVX512;
     if (isa >= ISA_AVX2) return &F16_AVX2;
 #else
     (void)isa, (void)nq, (void)hd;

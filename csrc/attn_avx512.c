@@ -1,9 +1,11 @@
-/* AVX-512 scores and weighted values over the fp16 KV cache, for blocks of many queries (prefill; attn.c
- * takes the AVX2 kernels for a few, as in decode). A tile's keys and values are converted to fp32 once, on
- * the stack, and every query of the block streams them: 32 keys (or dimensions) by up to 8 queries a
- * pass, 16 accumulators, so the FMAs are the bound and no conversion repeats per query. Each output is the
- * same chain of FMAs as in the AVX2 kernels (a lane per key or dimension, taken in dimension or key
- * order), so the results are the same bits. */
+/* AVX-512 scores and weighted values over the fp16 KV cache. For blocks of many queries (prefill) a tile's
+ * keys and values are converted to fp32 once, on the stack, and every query of the block streams them: 32
+ * keys (or dimensions) by up to 8 queries a pass, 16 accumulators, so the FMAs are the bound and no
+ * conversion repeats per query. A few queries (a decode step's GQA group) convert in registers instead, 64
+ * keys (or dimensions) by up to ATTN_FEW_QUERIES a pass: the conversion is shared by the group, and 4 to 16
+ * independent accumulators hide the FMA latency that bounds the AVX2 kernels' 6. Each output is the same
+ * chain of FMAs as in the AVX2 kernels (a lane per key or dimension, taken in dimension or key order), so
+ * the results are the same bits. */
 #if defined(KILN_X86)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #include <immintrin.h>
@@ -123,6 +125,100 @@ void kiln_accumulate_avx512(const float *p, int nq, int nk, const uint8_t *v_byt
         int d = 0;
         for (; d + 32 <= hd; d += 32) BY_QUERIES(accumulate_32, pr, n, nk, vf + d, hd, orow + d);
         if (d < hd) BY_QUERIES(accumulate_16, pr, n, nk, vf + d, hd, orow + d);
+    }
+}
+/* ---- a few queries: 64 keys or dimensions a pass, converted in registers ---- */
+
+/* Dimension d of the 16 keys of groups g and g + 1 (the second zero when absent: a tile's last 8 keys). */
+ALWAYS __m512 keys16(const uint16_t *kg, size_t group, int g, int pair, int d) {
+    const uint16_t *k0 = kg + (size_t)g * group + d * KEY_GROUP;
+    __m128i lo = _mm_loadu_si128((const __m128i *)k0);
+    __m128i hi = pair ? _mm_loadu_si128((const __m128i *)(k0 + group)) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+/* nq (1..ATTN_FEW_QUERIES) queries x nz (1..4) pieces of 16 keys from group g, the last piece a single
+ * group when `half`; both constants once inlined. While the keys are scored, two lines a dimension of each
+ * of pv and pk are fetched (the tile's values, the next tile's keys: 2·hd lines of each for 64 keys). */
+ALWAYS void scores_few(const float *q, int nq, int hd, const uint16_t *kg, int g, int nz, int half, const char *pv,
+                       const char *pk, float *s) {
+    const size_t group = (size_t)hd * KEY_GROUP;
+    __m512 a[ATTN_FEW_QUERIES][4];
+    for (int r = 0; r < nq; r++)
+        for (int z = 0; z < nz; z++) a[r][z] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        _mm_prefetch(pv + (size_t)d * 128, _MM_HINT_T0), _mm_prefetch(pv + (size_t)d * 128 + 64, _MM_HINT_T0);
+        _mm_prefetch(pk + (size_t)d * 128, _MM_HINT_T0), _mm_prefetch(pk + (size_t)d * 128 + 64, _MM_HINT_T0);
+        __m512 x[4];
+        for (int z = 0; z < nz; z++) x[z] = keys16(kg, group, g + 2 * z, !(half && z == nz - 1), d);
+        for (int r = 0; r < nq; r++) {
+            __m512 c = _mm512_set1_ps(q[r * hd + d]);
+            for (int z = 0; z < nz; z++) a[r][z] = _mm512_fmadd_ps(c, x[z], a[r][z]);
+        }
+    }
+    for (int r = 0; r < nq; r++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(s + r * ATTN_TILE + 16 * z, a[r][z]);
+}
+
+#define BY_PIECES(fn, nq, ...) do { \
+        switch (nq) { \
+        case 4: fn(4, __VA_ARGS__); break; \
+        case 3: fn(3, __VA_ARGS__); break; \
+        case 2: fn(2, __VA_ARGS__); break; \
+        default: fn(1, __VA_ARGS__); \
+        } \
+    } while (0)
+#define SCORES_FEW(nq, q, hd, kg, g, nz, half, pv, pk, s) scores_few(q, nq, hd, kg, g, nz, half, pv, pk, s)
+#define ACCUMULATE_FEW(nq, p, nk, v, hd, nz, o) accumulate_few(p, nq, nk, v, hd, nz, o)
+
+/* kiln_kv_kernels.scores for nq <= ATTN_FEW_QUERIES. Lanes past nk (up to the tile's 64) get scores of
+ * zero keys. */
+void kiln_scores_few_avx512(const float *q, int nq, int hd, const uint8_t *kg_bytes, int nk, const uint8_t *v,
+                            const uint8_t *next, float *s) {
+    const uint16_t *kg = (const uint16_t *)kg_bytes;
+    const char *pv = (const char *)v, *pk = (const char *)next;
+    if (nk == ATTN_TILE) {
+        BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 4, 0, pv, pk, s);
+        return;
+    }
+    /* a context's last tile; prefetching past a cache's end is harmless */
+    int groups = nk / KEY_GROUP, nz = (groups + 1) / 2, half = groups % 2;
+    switch (nz) {
+    case 4: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 4, half, pv, pk, s); break;
+    case 3: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 3, half, pv, pk, s); break;
+    case 2: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 2, half, pv, pk, s); break;
+    default: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 1, half, pv, pk, s);
+    }
+}
+
+/* nq (1..ATTN_FEW_QUERIES) queries x nz (1..4) pieces of 16 dimensions of values v ([key][hd], from the
+ * first dimension wanted). */
+ALWAYS void accumulate_few(const float *p, int nq, int nk, const uint16_t *v, int hd, int nz, float *o) {
+    __m512 a[ATTN_FEW_QUERIES][4];
+    for (int r = 0; r < nq; r++)
+        for (int z = 0; z < nz; z++) a[r][z] = _mm512_loadu_ps(o + r * hd + 16 * z);
+    for (int j = 0; j < nk; j++) {
+        __m512 x[4];
+        for (int z = 0; z < nz; z++) x[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (size_t)j * hd + 16 * z)));
+        for (int r = 0; r < nq; r++) {
+            __m512 c = _mm512_set1_ps(p[r * ATTN_TILE + j]);
+            for (int z = 0; z < nz; z++) a[r][z] = _mm512_fmadd_ps(c, x[z], a[r][z]);
+        }
+    }
+    for (int r = 0; r < nq; r++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(o + r * hd + 16 * z, a[r][z]);
+}
+
+/* kiln_kv_kernels.accumulate for nq <= ATTN_FEW_QUERIES; hd a multiple of 16. */
+void kiln_accumulate_few_avx512(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
+    const uint16_t *v = (const uint16_t *)v_bytes;
+    for (int d = 0; d < hd; d += 64) {
+        switch ((hd - d) / 16 < 4 ? (hd - d) / 16 : 4) {
+        case 4: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 4, o + d); break;
+        case 3: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 3, o + d); break;
+        case 2: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 2, o + d); break;
+        default: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 1, o + d);
+        }
     }
 }
 #endif

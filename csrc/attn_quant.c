@@ -301,10 +301,11 @@ AVX512_INLINE __m512 nibbles_512(__m512i bytes, int high) {
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8)));
 }
 
-/* Two groups' (16 keys') dimensions i and i + 16 of one block: one widening serves 16 keys. */
+/* Two groups' (16 keys') dimensions i and i + 16 of one block: one widening serves 16 keys. c1 NULL: the
+ * second group is absent (a tile's last 8 keys), its lanes zero. */
 AVX512_INLINE void key_pair_16(int t, const uint8_t *c0, const uint8_t *c1, int i, __m512 *lo, __m512 *hi) {
-#define BOTH(k) _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(c0 + (k) * KEY_GROUP)), \
-                                   _mm_loadl_epi64((const __m128i *)(c1 + (k) * KEY_GROUP)))
+#define ONE(c, k) ((c) ? _mm_loadl_epi64((const __m128i *)((c) + (k) * KEY_GROUP)) : _mm_setzero_si128())
+#define BOTH(k) _mm_unpacklo_epi64(ONE(c0, k), ONE(c1, k))
     if (t == KV_Q8_0) {
         *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(BOTH(i)));
         *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(BOTH(i + 16)));
@@ -313,50 +314,99 @@ AVX512_INLINE void key_pair_16(int t, const uint8_t *c0, const uint8_t *c1, int 
         *lo = nibbles_512(bytes, 0), *hi = nibbles_512(bytes, 1);
     }
 #undef BOTH
+#undef ONE
 }
 
-AVX512_INLINE void scores_16_512(int t, const float *q, int nq, int hd, const uint8_t *g0, const uint8_t *g1, float *s) {
-    const uint8_t *codes0 = g0 + scales_bytes(hd), *codes1 = g1 + scales_bytes(hd);
-    __m512 tot[4], blk[4];
-    for (int r = 0; r < nq; r++) tot[r] = _mm512_setzero_ps();
+/* A span's cache lines fetched a few at a time, spread over a pass's iterations. */
+typedef struct {
+    const char *at, *end;
+    size_t step;
+} prefetch_run;
+
+AVX512_INLINE prefetch_run prefetch_over(const uint8_t *p, size_t bytes, int iterations) {
+    size_t lines = (bytes + 63) / 64;
+    prefetch_run f = {(const char *)p, (const char *)p + bytes, (lines + iterations - 1) / iterations * 64};
+    return f;
+}
+
+AVX512_INLINE void prefetch_next(prefetch_run *f) {
+    for (size_t i = 0; i < f->step && f->at < f->end; i += 64, f->at += 64) _mm_prefetch(f->at, _MM_HINT_T0);
+}
+
+/* nq (1..4) queries x nz (1..4) pieces of 16 keys (`groups` groups of 8 present), both constants once
+ * inlined: each block's nq·nz sums (up to 16 FMA chains) are multiplied by the keys' scales into the
+ * totals, which s holds between blocks. */
+AVX512_INLINE void scores_pass_512(int t, const float *q, int nq, int hd, const uint8_t *kg, size_t gb, int nz,
+                                   int groups, prefetch_run *fv, prefetch_run *fk, float *s) {
     for (int b = 0; b < hd / KV_BLOCK; b++) {
-        size_t at = (size_t)b * code_bytes(t) * KEY_GROUP;
-        for (int r = 0; r < nq; r++) blk[r] = _mm512_setzero_ps();
+        size_t at = scales_bytes(hd) + (size_t)b * code_bytes(t) * KEY_GROUP;
+        __m512 blk[4][4];
+        for (int r = 0; r < nq; r++)
+            for (int z = 0; z < nz; z++) blk[r][z] = _mm512_setzero_ps();
         for (int i = 0; i < KV_BLOCK / 2; i++) {
-            __m512 lo, hi;
-            key_pair_16(t, codes0 + at, codes1 + at, i, &lo, &hi);
+            prefetch_next(fv), prefetch_next(fk);
+            __m512 lo[4], hi[4];
+            for (int z = 0; z < nz; z++) {
+                const uint8_t *g0 = kg + (size_t)(2 * z) * gb;
+                key_pair_16(t, g0 + at, 2 * z + 1 < groups ? g0 + gb + at : NULL, i, &lo[z], &hi[z]);
+            }
             for (int r = 0; r < nq; r++) {
                 const float *qb = q + r * hd + b * KV_BLOCK;
-                blk[r] = _mm512_fmadd_ps(_mm512_set1_ps(qb[i]), lo, blk[r]);
-                blk[r] = _mm512_fmadd_ps(_mm512_set1_ps(qb[i + 16]), hi, blk[r]);
+                __m512 ql = _mm512_set1_ps(qb[i]), qh = _mm512_set1_ps(qb[i + 16]);
+                for (int z = 0; z < nz; z++) {
+                    blk[r][z] = _mm512_fmadd_ps(ql, lo[z], blk[r][z]);
+                    blk[r][z] = _mm512_fmadd_ps(qh, hi[z], blk[r][z]);
+                }
             }
         }
-        __m256i sc16 = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(g1 + (size_t)b * KEY_GROUP * 2)),
-                                        _mm_loadu_si128((const __m128i *)(g0 + (size_t)b * KEY_GROUP * 2)));
-        __m512 sc = _mm512_cvtph_ps(sc16);
-        for (int r = 0; r < nq; r++) tot[r] = _mm512_fmadd_ps(blk[r], sc, tot[r]);
+        for (int z = 0; z < nz; z++) {
+            const uint8_t *g0 = kg + (size_t)(2 * z) * gb + (size_t)b * KEY_GROUP * 2;
+            __m128i s0 = _mm_loadu_si128((const __m128i *)g0);
+            __m128i s1 = 2 * z + 1 < groups ? _mm_loadu_si128((const __m128i *)(g0 + gb)) : _mm_setzero_si128();
+            __m512 sc = _mm512_cvtph_ps(_mm256_set_m128i(s1, s0));
+            for (int r = 0; r < nq; r++) {
+                float *sr = s + r * TILE + 16 * z;
+                __m512 tot = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sr);
+                _mm512_storeu_ps(sr, _mm512_fmadd_ps(blk[r][z], sc, tot));
+            }
+        }
     }
-    for (int r = 0; r < nq; r++) _mm512_storeu_ps(s + r * TILE, tot[r]);
 }
 
+#define SCORES_PASS(nq, nz, groups) scores_pass_512(t, qr, nq, hd, kg + (size_t)(j / KEY_GROUP) * gb, gb, nz, groups, &fv, &fk, sr)
+#define PASS_BY_QUERIES(nz, groups) do { \
+        switch (n) { \
+        case 4: SCORES_PASS(4, nz, groups); break; \
+        case 3: SCORES_PASS(3, nz, groups); break; \
+        case 2: SCORES_PASS(2, nz, groups); break; \
+        default: SCORES_PASS(1, nz, groups); \
+        } \
+    } while (0)
+
+/* 64 keys a pass (4 to 16 chains per block hide the FMA latency), queries 4 at a time; the first query
+ * chunk of a pass fetches its keys' values and the same keys of the next tile (as scores_avx2 does). */
 AVX512_INLINE void scores_avx512(int t, const float *q, int nq, int hd, const uint8_t *kg, int nk, const uint8_t *v,
                                  const uint8_t *next, float *s) {
     const size_t gb = kiln_kv_key_group_bytes(t, hd), rb = kiln_kv_value_row_bytes(t, hd);
-    int j = 0;
-    for (; j + 16 <= nk; j += 16) {
-        const uint8_t *g = kg + (size_t)(j / KEY_GROUP) * gb;
-        prefetch_span(v + (size_t)j * rb, rb * 16); /* as scores_avx2 does */
-        prefetch_span(next + (size_t)(j / KEY_GROUP) * gb, 2 * gb);
-        int r = 0;
-        for (; r + 4 <= nq; r += 4) scores_16_512(t, q + r * hd, 4, hd, g, g + gb, s + r * TILE + j);
-        switch (nq - r) {
-        case 3: scores_16_512(t, q + r * hd, 3, hd, g, g + gb, s + r * TILE + j); break;
-        case 2: scores_16_512(t, q + r * hd, 2, hd, g, g + gb, s + r * TILE + j); break;
-        case 1: scores_16_512(t, q + r * hd, 1, hd, g, g + gb, s + r * TILE + j); break;
+    for (int j = 0; j < nk; j += 64) {
+        int keys = nk - j < 64 ? nk - j : 64, groups = keys / KEY_GROUP, nz = (groups + 1) / 2;
+        prefetch_run fv = prefetch_over(v + (size_t)j * rb, rb * keys, hd / 2);
+        prefetch_run fk = prefetch_over(next + (size_t)(j / KEY_GROUP) * gb, gb * groups, hd / 2);
+        for (int r = 0; r < nq; r += 4) {
+            int n = nq - r < 4 ? nq - r : 4;
+            const float *qr = q + r * hd;
+            float *sr = s + r * TILE + j;
+            /* a whole tile with constant groups, so its loads test nothing */
+            switch (groups == 8 ? 5 : nz) {
+            case 5: PASS_BY_QUERIES(4, 8); break;
+            case 4: PASS_BY_QUERIES(4, groups); break;
+            case 3: PASS_BY_QUERIES(3, groups); break;
+            case 2: PASS_BY_QUERIES(2, groups); break;
+            default: PASS_BY_QUERIES(1, groups);
+            }
+            fv.at = fv.end, fk.at = fk.end;
         }
     }
-    if (j < nk) scores_avx2(t, q, nq, hd, kg + (size_t)(j / KEY_GROUP) * gb, nk - j, v + (size_t)j * rb,
-                            next + (size_t)(j / KEY_GROUP) * gb, s + j);
 }
 
 /* One key's block of 32 values as 2 × 16 fp32, dimensions in order. */
@@ -370,36 +420,50 @@ AVX512_INLINE void value_block_16x2(int t, const uint8_t *c, __m512 x[2]) {
     }
 }
 
-/* nq (1..4) queries × one block of 32 dimensions, two zmm of values per key. */
-AVX512_INLINE void accumulate_32_512(int t, const float *p, int nq, int nk, const uint8_t *v, size_t rb, int hd,
+/* nq (1..4) queries × one block of 32 dimensions, two zmm of values per key; pd[r * TILE + j] is query r's
+ * probability of key j times the key's scale for this block. */
+AVX512_INLINE void accumulate_32_512(int t, const float *pd, int nq, int nk, const uint8_t *v, size_t rb, int hd,
                                      float *o) {
     __m512 a[4][2];
     for (int r = 0; r < nq; r++) a[r][0] = _mm512_loadu_ps(o + r * hd), a[r][1] = _mm512_loadu_ps(o + r * hd + 16);
     for (int j = 0; j < nk; j++) {
-        const uint8_t *blk = v + (size_t)j * rb;
-        uint16_t h;
-        memcpy(&h, blk, 2);
-        float d = _cvtsh_ss(h);
         __m512 x[2];
-        value_block_16x2(t, blk + 2, x);
+        value_block_16x2(t, v + (size_t)j * rb + 2, x);
         for (int r = 0; r < nq; r++) {
-            __m512 c = _mm512_set1_ps(p[r * TILE + j] * d);
+            __m512 c = _mm512_set1_ps(pd[r * TILE + j]);
             a[r][0] = _mm512_fmadd_ps(c, x[0], a[r][0]), a[r][1] = _mm512_fmadd_ps(c, x[1], a[r][1]);
         }
     }
     for (int r = 0; r < nq; r++) _mm512_storeu_ps(o + r * hd, a[r][0]), _mm512_storeu_ps(o + r * hd + 16, a[r][1]);
 }
 
+/* Per block, the probabilities times the keys' scales first (the same products the AVX2 kernel forms
+ * one at a time), so the key loop broadcasts from memory. */
 AVX512_INLINE void accumulate_avx512(int t, const float *p, int nq, int nk, const uint8_t *v, int hd, float *o) {
     const size_t rb = kiln_kv_value_row_bytes(t, hd);
+    float d[TILE] __attribute__((aligned(64))), pd[4 * TILE] __attribute__((aligned(64)));
     for (int b = 0; b < hd / KV_BLOCK; b++) {
         const uint8_t *vb = v + (size_t)b * value_block_bytes(t);
-        int r = 0;
-        for (; r + 4 <= nq; r += 4) accumulate_32_512(t, p + r * TILE, 4, nk, vb, rb, hd, o + r * hd + b * KV_BLOCK);
-        switch (nq - r) {
-        case 3: accumulate_32_512(t, p + r * TILE, 3, nk, vb, rb, hd, o + r * hd + b * KV_BLOCK); break;
-        case 2: accumulate_32_512(t, p + r * TILE, 2, nk, vb, rb, hd, o + r * hd + b * KV_BLOCK); break;
-        case 1: accumulate_32_512(t, p + r * TILE, 1, nk, vb, rb, hd, o + r * hd + b * KV_BLOCK); break;
+        /* 16 keys' scales by one gather of 4 bytes each (the scale and two codes, inside the row) */
+        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)rb));
+        for (int j = 0; j < nk; j += 16) {
+            __mmask16 in = nk - j >= 16 ? 0xffff : (__mmask16)((1u << (nk - j)) - 1);
+            __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, vb + (size_t)j * rb, 1);
+            _mm512_store_ps(d + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
+        }
+        for (int r = 0; r < nq; r += 4) {
+            int n = nq - r < 4 ? nq - r : 4;
+            for (int u = 0; u < n; u++)
+                for (int j = 0; j < nk; j += 16)
+                    _mm512_storeu_ps(pd + u * TILE + j, _mm512_mul_ps(_mm512_loadu_ps(p + (size_t)(r + u) * TILE + j), _mm512_load_ps(d + j)));
+            float *orow = o + (size_t)r * hd + b * KV_BLOCK;
+            switch (n) {
+            case 4: accumulate_32_512(t, pd, 4, nk, vb, rb, hd, orow); break;
+            case 3: accumulate_32_512(t, pd, 3, nk, vb, rb, hd, orow); break;
+            case 2: accumulate_32_512(t, pd, 2, nk, vb, rb, hd, orow); break;
+            default: accumulate_32_512(t, pd, 1, nk, vb, rb, hd, orow);
+            }
         }
     }
 }

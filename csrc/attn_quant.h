@@ -49,15 +49,18 @@ typedef struct {
 #define ATTN_TILE 64 /* keys per tile, a multiple of KEY_GROUP */
 
 /* The fp16 cache's kernels for an ISA (kiln_isa), a block of nq queries and head dim hd: up to
- * ATTN_FEW_QUERIES (a decode step's GQA group) convert in registers (AVX2); more, from AVX-512 on, convert
- * each tile once into fp32 on the stack (attn_avx512.c), for head dims up to ATTN_WIDE_MAX_HD (a tile's
- * keys and values then take 128 KB). The same bits either way. */
+ * ATTN_FEW_QUERIES (a decode step's GQA group) convert in registers (AVX2, and AVX-512's "few" kernels);
+ * more, from AVX-512 on, convert each tile once into fp32 on the stack (attn_avx512.c), for head dims up to
+ * ATTN_WIDE_MAX_HD (a tile's keys and values then take 128 KB). The same bits either way. */
 #define ATTN_FEW_QUERIES 4
 #define ATTN_WIDE_MAX_HD 256
 const kiln_kv_kernels *kiln_f16_kernels(int isa, int nq, int hd);
 void kiln_scores_avx512(const float *q, int nq, int hd, const uint8_t *kg, int nk, const uint8_t *v, const uint8_t *next,
                         float *s);
 void kiln_accumulate_avx512(const float *p, int nq, int nk, const uint8_t *v, int hd, float *o);
+void kiln_scores_few_avx512(const float *q, int nq, int hd, const uint8_t *kg, int nk, const uint8_t *v,
+                            const uint8_t *next, float *s);
+void kiln_accumulate_few_avx512(const float *p, int nq, int nk, const uint8_t *v, int hd, float *o);
 
 /* The kernels of a quantized cache type for the active ISA. */
 const kiln_kv_kernels *kiln_kv_quant_kernels(int kv_type);

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from kiln.gguf import GGUFFile
+from kiln.engine.kv import KV_CACHE_TYPES as KV_TYPES
 from kiln.native import kernels as K
 
 SEED = int(os.environ.get("KILN_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -787,13 +788,17 @@ def _run_attention(kernels, nq, nk, hd, q, keys, values, p, o):
     return s[:, :nk], out
 
 
-def _check_wide_attention(wide, label):
+# a decode step's few queries (a GQA group): nk with a lone last group of 8, head dims not whole 64s
+FEW_SHAPES = [(1, 8, 16), (2, 24, 48), (3, 40, 64), (4, 64, 80), (3, 56, 128), (1, 64, 256), (2, 64, 64), (4, 16, 96)]
+
+
+def _check_avx2_bits(kernels, label, shapes=ATTN_SHAPES):
     avx2 = _native_lib().kiln_f16_kernels(1, 1, 64).contents  # ISA_AVX2, a decode step's few queries
-    for nq, nk, hd in ATTN_SHAPES:
+    for nq, nk, hd in shapes:
         rng = rng_for("attn-avx512", label, nq, nk, hd)
         case = _attention_case(nq, nk, hd, rng)
         want_s, want_o = _run_attention(avx2, nq, nk, hd, *case)
-        got_s, got_o = _run_attention(wide, nq, nk, hd, *case)
+        got_s, got_o = _run_attention(kernels, nq, nk, hd, *case)
         where = ctx(label, f"nq {nq}", f"nk {nk}", f"hd {hd}")
         assert np.array_equal(got_s.view(np.uint32), want_s.view(np.uint32)), where + ", scores"
         assert np.array_equal(got_o.view(np.uint32), want_o.view(np.uint32)), where + ", weighted values"
@@ -802,7 +807,7 @@ def _check_wide_attention(wide, label):
         assert np.allclose(got_o, o + p[:, :nk] @ values, rtol=1e-5, atol=1e-4), where + ", weighted values"
 
 
-def test_wide_attention_kernels_give_the_avx2_bits():
+def test_avx512_attention_kernels_give_the_avx2_bits():
     if K.isa_missing("avx512"):
         pytest.skip(f"CPU lacks {K.isa_missing('avx512')}")
     lib = _native_lib()
@@ -810,17 +815,66 @@ def test_wide_attention_kernels_give_the_avx2_bits():
     def scores_at(isa, nq, hd):
         return ctypes.cast(lib.kiln_f16_kernels(isa, nq, hd).contents.scores, ctypes.c_void_p).value
 
-    # ISA 1 is AVX2, 2 AVX-512: few queries (decode) and head dims past 256 keep the AVX2 kernels
-    assert scores_at(2, 4, 128) == scores_at(1, 4, 128) and scores_at(2, 64, 512) == scores_at(1, 64, 512)
-    assert scores_at(2, 5, 128) != scores_at(1, 5, 128)
-    _check_wide_attention(lib.kiln_f16_kernels(2, 64, 128).contents, "avx512")
+    # ISA 1 is AVX2, 2 AVX-512: a few queries (decode) take the in-register kernels at any head dim, more
+    # the tile-converting ones up to head dim 256, past it the AVX2 kernels
+    few, wide = scores_at(2, 4, 128), scores_at(2, 5, 128)
+    assert len({few, wide, scores_at(1, 4, 128)}) == 3 and scores_at(2, 1, 512) == few
+    assert scores_at(2, 64, 512) == scores_at(1, 64, 512)
+    _check_avx2_bits(lib.kiln_f16_kernels(2, 64, 128).contents, "avx512 wide")
+    _check_avx2_bits(lib.kiln_f16_kernels(2, 4, 128).contents, "avx512 few", FEW_SHAPES)
 
 
-def test_wide_attention_logic_under_emulation(emulated_avx512):
+def test_avx512_attention_logic_under_emulation(emulated_avx512):
     if K.isa_missing("avx2"):
         pytest.skip(f"CPU lacks {K.isa_missing('avx2')}")
     wide = _KVKernels(_SCORES(("kiln_scores_avx512", emulated_avx512)), _ACCUMULATE(("kiln_accumulate_avx512", emulated_avx512)))
-    _check_wide_attention(wide, "emulated avx512")
+    _check_avx2_bits(wide, "emulated avx512 wide")
+    few = _KVKernels(_SCORES(("kiln_scores_few_avx512", emulated_avx512)),
+                     _ACCUMULATE(("kiln_accumulate_few_avx512", emulated_avx512)))
+    _check_avx2_bits(few, "emulated avx512 few", FEW_SHAPES)
+
+
+def _quant_attention_case(kv, nq, nk, hd, rng):
+    """A quantized cache's keys and values as kiln stores them, with queries, probabilities and outputs."""
+    lib = _native_lib()
+    kv_index = KV_TYPES.index(kv)
+    lib.kiln_kv_head_bytes.restype = ctypes.c_size_t
+    keys = np.zeros(lib.kiln_kv_head_bytes(kv_index, nk, hd), np.uint8)
+    values = np.zeros_like(keys)
+    for pos in range(nk):
+        for fn, buf in ((lib.kiln_store_key_quant, keys), (lib.kiln_store_value_quant, values)):
+            row = rng.standard_normal(hd).astype(np.float32)
+            fn(kv_index, row.ctypes.data_as(ctypes.c_void_p), buf.ctypes.data_as(ctypes.c_void_p), pos, hd)
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    p = rng.random((nq, ATTN_TILE)).astype(np.float32)
+    o = rng.standard_normal((nq, hd)).astype(np.float32)
+    return q, keys, values, p, o
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_attention_kernels_give_the_avx2_bits(kv):
+    """Tiles of 64 keys and shorter ones (a lone last group), 1 to 9 queries (a decode step's group and
+    prefill's blocks), head dims of one to eight blocks."""
+    if K.isa_missing("avx512"):
+        pytest.skip(f"CPU lacks {K.isa_missing('avx512')}")
+    lib = _native_lib()
+    lib.kiln_kv_quant_kernels.restype = ctypes.POINTER(_KVKernels)
+    before = K.active_isa()
+    try:
+        K.force_isa("avx2")
+        avx2 = lib.kiln_kv_quant_kernels(KV_TYPES.index(kv)).contents
+        K.force_isa("avx512")
+        avx512 = lib.kiln_kv_quant_kernels(KV_TYPES.index(kv)).contents
+    finally:
+        K.force_isa(before)
+    for nq, nk, hd in [(1, 8, 32), (3, 64, 64), (2, 40, 128), (4, 56, 64), (5, 64, 96), (9, 24, 256), (3, 16, 32)]:
+        case = _quant_attention_case(kv, nq, nk, hd, rng_for("attn-quant", kv, nq, nk, hd))
+        want_s, want_o = _run_attention(avx2, nq, nk, hd, *case)
+        got_s, got_o = _run_attention(avx512, nq, nk, hd, *case)
+        where = ctx(kv, f"nq {nq}", f"nk {nk}", f"hd {hd}")
+        assert np.isfinite(want_s).all() and np.isfinite(want_o).all(), where
+        assert np.array_equal(got_s.view(np.uint32), want_s.view(np.uint32)), where + ", scores"
+        assert np.array_equal(got_o.view(np.uint32), want_o.view(np.uint32)), where + ", weighted values"
 
 
 # ---- MXFP4's exponents -------------------------------------------------------------------------------------
