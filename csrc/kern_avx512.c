@@ -265,6 +265,62 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
         }
 }
 
+/* One token: per pair of rows, each row's 16 lanes of half-sums are folded into one vector of both rows' 8
+   block sums (two lane shuffles and an add for two rows), so the float steps run once per pair, 16 lanes
+   wide. The K-quants' headers of both rows are decoded together. Each lane sees dot()'s integer sum and
+   float steps: the same bits. */
+ALWAYS void kquant_pair_header(const uint8_t *h0, const uint8_t *h1, __m512 *d, __m512 *m, __m512 *sc) {
+    int32_t v0, v1;
+    memcpy(&v0, h0, 4), memcpy(&v1, h1, 4);
+    __m128i dm = _mm_insert_epi32(_mm_cvtsi32_si128(v0), v1, 1);
+    __m512 dmf = _mm512_castps128_ps512(_mm_cvtph_ps(dm)); /* d0 dmin0 d1 dmin1 */
+    const __m512i row_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    *d = _mm512_permutexvar_ps(row_of_lane, dmf);
+    __m512 dmin = _mm512_permutexvar_ps(_mm512_add_epi32(row_of_lane, _mm512_set1_epi32(1)), dmf);
+    __m128i x0 = _mm_loadu_si128((const __m128i *)(h0 + 4)), x1 = _mm_loadu_si128((const __m128i *)(h1 + 4)); /* scales | mins */
+    *sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x0, x1)));
+    *m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(x0, x1))));
+}
+
+ALWAYS void groups_one_token(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, __m256 acc[4][TB]) {
+    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
+    __m512 pacc[2];
+    for (int g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
+        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        __m512i a[4];
+        for (int i = 0; i < 4; i++) a[i] = ld512(ag + 64 * i);
+        /* the offset in the low half only: folding adds it once to each row's block sums */
+        __m512i init = _mm512_zextsi256_si512(offset(f, _mm256_setzero_si256(), ag));
+        __m512 dx = bcast8(ag + KILN_AG_D), sx = bcast8(ag + KILN_AG_S);
+        for (int pr = 0; pr < 2; pr++) {
+            wrow w0, w1;
+            prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
+            prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
+            __m512i s0 = init, s1 = init;
+            for (int i = 0; i < 4; i++) s0 = _mm512_dpbusd_epi32(s0, w0.w[i], a[i]), s1 = _mm512_dpbusd_epi32(s1, w1.w[i], a[i]);
+            __m512i i32 = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
+            __m512 d, m = _mm512_setzero_ps(), sc = _mm512_setzero_ps();
+            if (f == KF_Q4_K || f == KF_Q5_K)
+                kquant_pair_header(p + 2 * pr * HB, p + (2 * pr + 1) * HB, &d, &m, &sc);
+            else {
+                d = both(w0.d, w1.d);
+                if (f == KF_Q4_1) m = both(w0.m, w1.m);
+            }
+            __m512 a_ = g ? pacc[pr] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32);
+            if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc);
+            a_ = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dx), a_);
+            if (f == KF_Q4_1) a_ = _mm512_fmadd_ps(m, sx, a_);
+            if (f == KF_Q4_K || f == KF_Q5_K) a_ = _mm512_fnmadd_ps(m, sx, a_);
+            pacc[pr] = a_;
+        }
+    }
+    for (int pr = 0; pr < 2; pr++) {
+        acc[2 * pr][0] = _mm512_castps512_ps256(pacc[pr]);
+        acc[2 * pr + 1][0] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pacc[pr]), 1));
+    }
+}
+
 /* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -276,8 +332,11 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
         for (int r = 0; r < 4; r++)
             for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
     int G_by_row = G; /* full groups left to the row-by-row loop */
-    if (n > 1 && f != KF_Q6_K && G) {
-        groups_by_pairs(f, tile, G, act, stride, n, acc);
+    if (f != KF_Q6_K && G) {
+        if (n > 1)
+            groups_by_pairs(f, tile, G, act, stride, n, acc);
+        else
+            groups_one_token(f, tile, G, act, acc);
         G_by_row = 0;
     }
     for (int g = 0; g < G_by_row; g++) {

@@ -497,6 +497,15 @@ static inline E512 emu_mullo_epi32(E512 a, E512 b) { L16 a.u[i] *= b.u[i]; retur
 static inline E512 emu_mul_ps(E512 a, E512 b) { L16 a.f[i] *= b.f[i]; return a; }
 static inline E512 emu_cvtepi32_ps(E512 a) { L16 a.f[i] = (float)a.d[i]; return a; }
 static inline E512 emu_fnmadd_ps(E512 a, E512 b, E512 c) { L16 c.f[i] = fmaf(-a.f[i], b.f[i], c.f[i]); return c; }
+static inline E512 emu_set1_epi32(int32_t v) { E512 r; L16 r.d[i] = v; return r; }
+static inline E512 emu_setr_epi32(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32_t a4, int32_t a5, int32_t a6, int32_t a7,
+                                  int32_t a8, int32_t a9, int32_t a10, int32_t a11, int32_t a12, int32_t a13, int32_t a14, int32_t a15) {
+    E512 r; int32_t v[16] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15}; memcpy(r.d, v, 64); return r;
+}
+static inline E512 emu_permutexvar_ps(E512 idx, E512 a) { E512 r; L16 r.f[i] = a.f[idx.u[i] & 15]; return r; }
+static inline E512 emu_cvtepu8_epi32(__m128i a) { E512 r; uint8_t s[16]; memcpy(s, &a, 16); L16 r.d[i] = s[i]; return r; }
+static inline E512 emu_zextsi256_si512(__m256i a) { E512 r; memset(&r, 0, 64); r.h[0] = a; return r; }
+static inline E512 emu_castps128_ps512(__m128 a) { E512 r; memset(&r, 0xAB, 64); memcpy(&r, &a, 16); return r; }
 static inline E512 emu_shuffle_i64x2(E512 a, E512 b, int imm) {  /* 128-bit lanes: two of a, then two of b */
     E512 r; for (int l = 0; l < 4; l++) memcpy(r.b + 16 * l, (l < 2 ? a.b : b.b) + 16 * (imm >> 2 * l & 3), 16); return r;
 }
@@ -508,7 +517,6 @@ EMUAMX_H = r"""
 #include "emu512.h"
 typedef uint16_t emask16;
 static inline E512 emu_sub_epi8(E512 a, E512 b) { L64 a.b[i] -= b.b[i]; return a; }
-static inline E512 emu_set1_epi32(int32_t v) { E512 r; L16 r.d[i] = v; return r; }
 static inline E512 emu_set1_epi16(short v) { E512 r; for (int i = 0; i < 32; i++) r.w[i] = (uint16_t)v; return r; }
 static inline E512 emu_set1_ps(float v) { E512 r; L16 r.f[i] = v; return r; }
 static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; }
@@ -519,7 +527,6 @@ static inline void emu_storeu_ps(float *p, E512 v) { memcpy(p, &v, 64); }
 static inline void emu_mask_storeu_ps(float *p, emask16 k, E512 v) { L16 if (k >> i & 1) p[i] = v.f[i]; }
 typedef E512 E512bh;
 static inline E512 emu_cvtepi8_epi32(__m128i a) { E512 r; int8_t s[16]; memcpy(s, &a, 16); L16 r.d[i] = s[i]; return r; }
-static inline E512 emu_permutexvar_ps(E512 idx, E512 a) { E512 r; L16 r.f[i] = a.f[idx.u[i] & 15]; return r; }
 static inline uint16_t emu_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16); }
 static inline E512 emu_cvtne2ps_pbh(E512 hi, E512 lo) { E512 r; L16 { r.w[i] = emu_bf16(lo.f[i]); r.w[16 + i] = emu_bf16(hi.f[i]); } return r; }
 static inline E512 emu_permutex2var_epi32(E512 a, E512 idx, E512 b) { E512 r; L16 { int j = idx.u[i] & 31; r.u[i] = j < 16 ? a.u[j] : b.u[j - 16]; } return r; }
