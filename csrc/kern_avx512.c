@@ -229,9 +229,10 @@ ALWAYS void dpsum_pairs(__m512i pw[2][8], const uint8_t *ag, __m512i init, __m51
 ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     __m512 pacc[2][TB];
+    const int ahead = n == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH;
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + ahead + o, _MM_HINT_T0);
         __m512i pw[2][8];
         __m512 d[2], m[2], sc[2];
         for (int pr = 0; pr < 2; pr++) {
