@@ -160,7 +160,7 @@ ALWAYS void scores_few(const float *q, int nq, int hd, const uint16_t *kg, int g
         for (int z = 0; z < nz; z++) _mm512_storeu_ps(s + r * ATTN_TILE + 16 * z, a[r][z]);
 }
 
-#define BY_PIECES(fn, nq, ...) do { \
+#define BY_FEW_QUERIES(fn, nq, ...) do { \
         switch (nq) { \
         case 4: fn(4, __VA_ARGS__); break; \
         case 3: fn(3, __VA_ARGS__); break; \
@@ -178,16 +178,16 @@ void kiln_scores_few_avx512(const float *q, int nq, int hd, const uint8_t *kg_by
     const uint16_t *kg = (const uint16_t *)kg_bytes;
     const char *pv = (const char *)v, *pk = (const char *)next;
     if (nk == ATTN_TILE) {
-        BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 4, 0, pv, pk, s);
+        BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, 0, pv, pk, s);
         return;
     }
     /* a context's last tile; prefetching past a cache's end is harmless */
     int groups = nk / KEY_GROUP, nz = (groups + 1) / 2, half = groups % 2;
     switch (nz) {
-    case 4: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 4, half, pv, pk, s); break;
-    case 3: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 3, half, pv, pk, s); break;
-    case 2: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 2, half, pv, pk, s); break;
-    default: BY_PIECES(SCORES_FEW, nq, q, hd, kg, 0, 1, half, pv, pk, s);
+    case 4: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, half, pv, pk, s); break;
+    case 3: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 3, half, pv, pk, s); break;
+    case 2: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 2, half, pv, pk, s); break;
+    default: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 1, half, pv, pk, s);
     }
 }
 
@@ -214,10 +214,10 @@ void kiln_accumulate_few_avx512(const float *p, int nq, int nk, const uint8_t *v
     const uint16_t *v = (const uint16_t *)v_bytes;
     for (int d = 0; d < hd; d += 64) {
         switch ((hd - d) / 16 < 4 ? (hd - d) / 16 : 4) {
-        case 4: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 4, o + d); break;
-        case 3: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 3, o + d); break;
-        case 2: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 2, o + d); break;
-        default: BY_PIECES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 1, o + d);
+        case 4: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 4, o + d); break;
+        case 3: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 3, o + d); break;
+        case 2: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 2, o + d); break;
+        default: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 1, o + d);
         }
     }
 }

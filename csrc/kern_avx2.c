@@ -238,7 +238,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     if (G == 0) /* else the first group sets them: zeroing the array in memory (rep stos) cost 20% at 8 tokens */
         for (int r = 0; r < 4; r++)
             for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
-    const int ahead = n == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH;
+    const int ahead = KILN_PREFETCH_AHEAD(n);
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + ahead + o, _MM_HINT_T0);

@@ -224,52 +224,7 @@ ALWAYS void dpsum_pairs(__m512i pw[2][8], const uint8_t *ag, __m512i init, __m51
     for (int pr = 0; pr < 2; pr++) out[pr] = _mm512_add_epi32(e[pr], o[pr]);
 }
 
-/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1): per group both pairs are regrouped
-   once, then every token meets both. */
-ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
-    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
-    __m512 pacc[2][TB];
-    const int ahead = n == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH;
-    for (int g = 0; g < G; g++) {
-        const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + ahead + o, _MM_HINT_T0);
-        __m512i pw[2][8];
-        __m512 d[2], m[2], sc[2];
-        for (int pr = 0; pr < 2; pr++) {
-            wrow w0, w1;
-            prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
-            prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
-            chunks_by_pair(&w0, &w1, pw[pr]);
-            d[pr] = both(w0.d, w1.d), m[pr] = sc[pr] = _mm512_setzero_ps();
-            if (f == KF_Q4_1 || f == KF_Q4_K || f == KF_Q5_K) m[pr] = both(w0.m, w1.m);
-            if (f == KF_Q4_K || f == KF_Q5_K) sc[pr] = both(w0.scf, w1.scf);
-        }
-        for (int t = 0; t < n; t++) {
-            const uint8_t *at = ag + t * stride;
-            __m512i i32[2];
-            dpsum_pairs(pw, at, neg_offset(f, at), i32);
-            __m512 dx = bcast8(at + KILN_AG_D), sx = bcast8(at + KILN_AG_S);
-            for (int pr = 0; pr < 2; pr++) {
-                __m512 a = g ? pacc[pr][t] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32[pr]);
-                if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc[pr]);
-                a = _mm512_fmadd_ps(sum, _mm512_mul_ps(d[pr], dx), a);
-                if (f == KF_Q4_1) a = _mm512_fmadd_ps(m[pr], sx, a);
-                if (f == KF_Q4_K || f == KF_Q5_K) a = _mm512_fnmadd_ps(m[pr], sx, a);
-                pacc[pr][t] = a;
-            }
-        }
-    }
-    for (int pr = 0; pr < 2; pr++)
-        for (int t = 0; t < n; t++) {
-            acc[2 * pr][t] = _mm512_castps512_ps256(pacc[pr][t]);
-            acc[2 * pr + 1][t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pacc[pr][t]), 1));
-        }
-}
-
-/* One token: per pair of rows, each row's 16 lanes of half-sums are folded into one vector of both rows' 8
-   block sums (two lane shuffles and an add for two rows), so the float steps run once per pair, 16 lanes
-   wide. The K-quants' headers of both rows are decoded together. Each lane sees dot()'s integer sum and
-   float steps: the same bits. */
+/* A K-quant pair's 20-byte headers decoded together: d, dmin x mins and the scales of both rows. */
 ALWAYS void kquant_pair_header(const uint8_t *h0, const uint8_t *h1, __m512 *d, __m512 *m, __m512 *sc) {
     int32_t v0, v1;
     memcpy(&v0, h0, 4), memcpy(&v1, h1, 4);
@@ -283,6 +238,67 @@ ALWAYS void kquant_pair_header(const uint8_t *h0, const uint8_t *h1, __m512 *d, 
     *m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(x0, x1))));
 }
 
+/* A pair's factors, 16 lanes (row r low, row r+1 high); the values prep() gives each row. */
+ALWAYS void pair_scales(kiln_wfmt f, const uint8_t *h0, const uint8_t *h1, const wrow *w0, const wrow *w1, __m512 *d, __m512 *m,
+                        __m512 *sc) {
+    *m = *sc = _mm512_setzero_ps();
+    if (f == KF_Q4_K || f == KF_Q5_K) {
+        kquant_pair_header(h0, h1, d, m, sc);
+        return;
+    }
+    *d = both(w0->d, w1->d);
+    if (f == KF_Q4_1) *m = both(w0->m, w1->m);
+}
+
+/* fstep() for a pair's 16 lanes of corrected block sums. */
+ALWAYS __m512 fstep_pair(kiln_wfmt f, __m512i i32, __m512 d, __m512 m, __m512 sc, __m512 dx, __m512 sx, __m512 acc) {
+    __m512 sum = _mm512_cvtepi32_ps(i32);
+    if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc);
+    acc = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dx), acc);
+    if (f == KF_Q4_1) acc = _mm512_fmadd_ps(m, sx, acc);
+    if (f == KF_Q4_K || f == KF_Q5_K) acc = _mm512_fnmadd_ps(m, sx, acc);
+    return acc;
+}
+
+/* A pair's accumulator back to its rows' 8-lane ones. */
+ALWAYS void unpair(__m512 v, __m256 *lo, __m256 *hi) {
+    *lo = _mm512_castps512_ps256(v);
+    *hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1): per group both pairs are regrouped
+   once, then every token meets both. */
+ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
+    const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
+    __m512 pacc[2][TB];
+    for (int g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
+        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
+        __m512i pw[2][8];
+        __m512 d[2], m[2], sc[2];
+        for (int pr = 0; pr < 2; pr++) {
+            wrow w0, w1;
+            prep(f, p + 2 * pr * HB, p + 4 * HB + 2 * pr * QB, 8, &w0);
+            prep(f, p + (2 * pr + 1) * HB, p + 4 * HB + (2 * pr + 1) * QB, 8, &w1);
+            chunks_by_pair(&w0, &w1, pw[pr]);
+            pair_scales(f, p + 2 * pr * HB, p + (2 * pr + 1) * HB, &w0, &w1, &d[pr], &m[pr], &sc[pr]);
+        }
+        for (int t = 0; t < n; t++) {
+            const uint8_t *at = ag + t * stride;
+            __m512i i32[2];
+            dpsum_pairs(pw, at, neg_offset(f, at), i32);
+            __m512 dx = bcast8(at + KILN_AG_D), sx = bcast8(at + KILN_AG_S);
+            for (int pr = 0; pr < 2; pr++)
+                pacc[pr][t] = fstep_pair(f, i32[pr], d[pr], m[pr], sc[pr], dx, sx, g ? pacc[pr][t] : _mm512_setzero_ps());
+        }
+    }
+    for (int pr = 0; pr < 2; pr++)
+        for (int t = 0; t < n; t++) unpair(pacc[pr][t], &acc[2 * pr][t], &acc[2 * pr + 1][t]);
+}
+
+/* One token: per pair of rows, each row's 16 lanes of half-sums are folded into one vector of both rows' 8
+   block sums (two lane shuffles and an add for two rows), so the float steps run once per pair, 16 lanes
+   wide. Each lane sees dot()'s integer sum and float steps: the same bits. */
 ALWAYS void groups_one_token(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, __m256 acc[4][TB]) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     __m512 pacc[2];
@@ -301,25 +317,12 @@ ALWAYS void groups_one_token(kiln_wfmt f, const uint8_t *tile, int G, const uint
             __m512i s0 = init, s1 = init;
             for (int i = 0; i < 4; i++) s0 = _mm512_dpbusd_epi32(s0, w0.w[i], a[i]), s1 = _mm512_dpbusd_epi32(s1, w1.w[i], a[i]);
             __m512i i32 = _mm512_add_epi32(_mm512_shuffle_i64x2(s0, s1, 0x44), _mm512_shuffle_i64x2(s0, s1, 0xEE));
-            __m512 d, m = _mm512_setzero_ps(), sc = _mm512_setzero_ps();
-            if (f == KF_Q4_K || f == KF_Q5_K)
-                kquant_pair_header(p + 2 * pr * HB, p + (2 * pr + 1) * HB, &d, &m, &sc);
-            else {
-                d = both(w0.d, w1.d);
-                if (f == KF_Q4_1) m = both(w0.m, w1.m);
-            }
-            __m512 a_ = g ? pacc[pr] : _mm512_setzero_ps(), sum = _mm512_cvtepi32_ps(i32);
-            if (f == KF_Q4_K || f == KF_Q5_K) sum = _mm512_mul_ps(sum, sc);
-            a_ = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dx), a_);
-            if (f == KF_Q4_1) a_ = _mm512_fmadd_ps(m, sx, a_);
-            if (f == KF_Q4_K || f == KF_Q5_K) a_ = _mm512_fnmadd_ps(m, sx, a_);
-            pacc[pr] = a_;
+            __m512 d, m, sc;
+            pair_scales(f, p + 2 * pr * HB, p + (2 * pr + 1) * HB, &w0, &w1, &d, &m, &sc);
+            pacc[pr] = fstep_pair(f, i32, d, m, sc, dx, sx, g ? pacc[pr] : _mm512_setzero_ps());
         }
     }
-    for (int pr = 0; pr < 2; pr++) {
-        acc[2 * pr][0] = _mm512_castps512_ps256(pacc[pr]);
-        acc[2 * pr + 1][0] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pacc[pr]), 1));
-    }
+    for (int pr = 0; pr < 2; pr++) unpair(pacc[pr], &acc[2 * pr][0], &acc[2 * pr + 1][0]);
 }
 
 /* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
@@ -342,7 +345,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     }
     for (int g = 0; g < G_by_row; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);

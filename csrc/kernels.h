@@ -154,6 +154,8 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 /* A precise activation's pair of rows spends twice the arithmetic on each byte: the weights are then
    fetched further ahead (docs/PERF.md, "Prefetch"). */
 #define KILN_PREFETCH_PAIR 4096
+/* How far ahead a kernel called for n_tok tokens fetches its weights. */
+#define KILN_PREFETCH_AHEAD(n_tok) ((n_tok) == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH)
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */
 #define KILN_AG_D 256            /* offsets inside an activation group */
