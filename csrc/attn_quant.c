@@ -442,11 +442,11 @@ AVX512_INLINE void accumulate_32_512(int t, const float *pd, int nq, int nk, con
 AVX512_INLINE void accumulate_avx512(int t, const float *p, int nq, int nk, const uint8_t *v, int hd, float *o) {
     const size_t rb = kiln_kv_value_row_bytes(t, hd);
     float d[TILE] __attribute__((aligned(64))), pd[4 * TILE] __attribute__((aligned(64)));
+    /* 16 keys' scales by one gather of 4 bytes each (the scale and two codes, inside the row) */
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rb));
     for (int b = 0; b < hd / KV_BLOCK; b++) {
         const uint8_t *vb = v + (size_t)b * value_block_bytes(t);
-        /* 16 keys' scales by one gather of 4 bytes each (the scale and two codes, inside the row) */
-        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)rb));
         for (int j = 0; j < nk; j += 16) {
             __mmask16 in = nk - j >= 16 ? 0xffff : (__mmask16)((1u << (nk - j)) - 1);
             __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, vb + (size_t)j * rb, 1);
