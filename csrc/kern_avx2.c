@@ -230,8 +230,8 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 /* One tile against n (<= TB) tokens: activations act + t*stride, results y + t*ldy. n == 1 keeps the
-   4 accumulators in registers. */
-ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
+   4 accumulators in registers. `far`: also fetch the weights KILN_PREFETCH_FAR ahead into L2. */
+ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, int far, float *y, int ldy, int nrows) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
     __m256 acc[4][TB];
@@ -242,6 +242,8 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + ahead + o, _MM_HINT_T0);
+        if (far)
+            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
@@ -343,9 +345,9 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
             if (kiln_fmt_is_float(f))
                 ftile(f, tile, w->cols, act, stride, n_tok, y + 4 * ti, ldy, nrows);
             else if (n_tok == 1)
-                qtile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, nrows);
+                qtile(f, tile, w->cols, act, stride, 1, 0, y + 4 * ti, ldy, nrows);
             else /* a precise activation's pair of rows (see plan.c) */
-                qtile(f, tile, w->cols, act, stride, 2, y + 4 * ti, ldy, nrows);
+                qtile(f, tile, w->cols, act, stride, 2, 0, y + 4 * ti, ldy, nrows);
         }
         return;
     }
@@ -359,7 +361,7 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
                 if (kiln_fmt_is_float(f))
                     ftile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, nrows);
                 else
-                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, nrows);
+                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, t0 == 0 && n > 2, yt, ldy, nrows);
             }
         }
 }

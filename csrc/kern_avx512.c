@@ -266,14 +266,15 @@ ALWAYS void unpair(__m512 v, __m256 *lo, __m256 *hi) {
     *hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-/* Full groups 0..G-1 of a tile for n tokens into acc[r][t] (G >= 1): per group both pairs are regrouped
-   once, then every token meets both. */
-ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, __m256 acc[4][TB]) {
+/* Full groups 0..G-1 of a tile for n tokens into pacc[pr][t], pair pr's 16 lanes (G >= 1): per group both
+   pairs are regrouped once, then every token meets both. */
+ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8_t *act, size_t stride, int n, int far, __m512 pacc[2][TB]) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
-    __m512 pacc[2][TB];
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
+        if (far)
+            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
         __m512i pw[2][8];
         __m512 d[2], m[2], sc[2];
         for (int pr = 0; pr < 2; pr++) {
@@ -292,8 +293,6 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
                 pacc[pr][t] = fstep_pair(f, i32[pr], d[pr], m[pr], sc[pr], dx, sx, g ? pacc[pr][t] : _mm512_setzero_ps());
         }
     }
-    for (int pr = 0; pr < 2; pr++)
-        for (int t = 0; t < n; t++) unpair(pacc[pr][t], &acc[2 * pr][t], &acc[2 * pr + 1][t]);
 }
 
 /* One token: per pair of rows, each row's 16 lanes of half-sums are folded into one vector of both rows' 8
@@ -325,10 +324,34 @@ ALWAYS void groups_one_token(kiln_wfmt f, const uint8_t *tile, int G, const uint
     for (int pr = 0; pr < 2; pr++) unpair(pacc[pr], &acc[2 * pr][0], &acc[2 * pr + 1][0]);
 }
 
-/* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. */
+/* Even lanes plus odd lanes of a, then of b: each result lane adds two neighbours, as hadd does. */
+ALWAYS __m512 fold_lanes(__m512 a, __m512 b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
+}
+
+/* reduce4() of every row and token straight from the pairs' accumulators, four tokens a pass: lane pairs, then
+   quads, then the halves, in reduce4()'s order of additions (the same bits) with a fraction of its shuffles. */
+ALWAYS void store_pairs(__m512 pacc[2][TB], int n, float *y, int ldy, int nrows) {
+    const __m512i by_token = _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    for (int t = 0; t < n; t += 4) {
+        __m512 q[2];
+        for (int pr = 0; pr < 2; pr++) {
+            __m512 v[4];
+            for (int k = 0; k < 4; k++) v[k] = t + k < n ? pacc[pr][t + k] : _mm512_setzero_ps();
+            q[pr] = fold_lanes(fold_lanes(v[0], v[1]), fold_lanes(v[2], v[3]));
+        }
+        __m512 r = _mm512_permutexvar_ps(by_token, fold_lanes(q[0], q[1])); /* token k: rows 0-3 in lanes 4k..4k+3 */
+        __m128 o[4] = {_mm512_castps512_ps128(r), _mm512_extractf32x4_ps(r, 1), _mm512_extractf32x4_ps(r, 2), _mm512_extractf32x4_ps(r, 3)};
+        for (int k = 0; k < 4 && t + k < n; k++) store_rows(y + (t + k) * ldy, o[k], nrows);
+    }
+}
+
+/* acc[r][t], t < n, is set by the first group or zeroed when there is none; GCC cannot tell. `far`: also fetch
+   the weights KILN_PREFETCH_FAR ahead into L2. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, float *y, int ldy, int nrows) {
+ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act, size_t stride, int n, int far, float *y, int ldy, int nrows) {
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     int G = cols / KILN_GROUP, nt = cols % KILN_GROUP / 32;
     __m256 acc[4][TB];
@@ -337,15 +360,25 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
             for (int t = 0; t < n; t++) acc[r][t] = _mm256_setzero_ps();
     int G_by_row = G; /* full groups left to the row-by-row loop */
     if (f != KF_Q6_K && G) {
-        if (n > 1)
-            groups_by_pairs(f, tile, G, act, stride, n, acc);
-        else
+        if (n > 1) {
+            __m512 pacc[2][TB];
+            groups_by_pairs(f, tile, G, act, stride, n, far, pacc);
+            if (!nt) {
+                store_pairs(pacc, n, y, ldy, nrows);
+                return;
+            }
+            for (int pr = 0; pr < 2; pr++)
+                for (int t = 0; t < n; t++) unpair(pacc[pr][t], &acc[2 * pr][t], &acc[2 * pr + 1][t]);
+        } else {
             groups_one_token(f, tile, G, act, acc);
+        }
         G_by_row = 0;
     }
     for (int g = 0; g < G_by_row; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
         for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
+        if (far)
+            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
@@ -418,7 +451,7 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
             if (kiln_fmt_is_float(f))
                 ftile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, w->rows - 4 * ti);
             else
-                qtile(f, tile, w->cols, act, stride, 1, y + 4 * ti, ldy, w->rows - 4 * ti);
+                qtile(f, tile, w->cols, act, stride, 1, 0, y + 4 * ti, ldy, w->rows - 4 * ti);
         }
         return;
     }
@@ -431,7 +464,7 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
                 if (kiln_fmt_is_float(f))
                     ftile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, w->rows - 4 * ti);
                 else
-                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, w->rows - 4 * ti);
+                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, t0 == 0 && n > 2, yt, ldy, w->rows - 4 * ti);
             }
         }
 }

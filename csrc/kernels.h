@@ -156,6 +156,10 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 #define KILN_PREFETCH_PAIR 4096
 /* How far ahead a kernel called for n_tok tokens fetches its weights. */
 #define KILN_PREFETCH_AHEAD(n_tok) ((n_tok) == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH)
+/* Bytes ahead that a kernel called for more than two tokens also fetches into L2, on its first pass over a
+   chunk's weights: fetched into L1 from close by only, weights streamed from DRAM arrive too late for a step
+   that spends that much longer on each group (docs/PERF.md, "Prefetch"). */
+#define KILN_PREFETCH_FAR 16384
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */
 #define KILN_AG_D 256            /* offsets inside an activation group */

@@ -503,6 +503,10 @@ static inline E512 emu_setr_epi32(int32_t a0, int32_t a1, int32_t a2, int32_t a3
     E512 r; int32_t v[16] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15}; memcpy(r.d, v, 64); return r;
 }
 static inline E512 emu_permutexvar_ps(E512 idx, E512 a) { E512 r; L16 r.f[i] = a.f[idx.u[i] & 15]; return r; }
+static inline E512 emu_permutex2var_ps(E512 a, E512 idx, E512 b) { E512 r; L16 { int j = idx.u[i] & 31; r.f[i] = j < 16 ? a.f[j] : b.f[j - 16]; } return r; }
+static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; }
+static inline __m128 emu_castps512_ps128(E512 v) { return _mm256_castps256_ps128(v.hf[0]); }
+static inline __m128 emu_extractf32x4_ps(E512 v, int imm) { __m128 r; memcpy(&r, v.f + 4 * (imm & 3), 16); return r; }
 static inline E512 emu_cvtepu8_epi32(__m128i a) { E512 r; uint8_t s[16]; memcpy(s, &a, 16); L16 r.d[i] = s[i]; return r; }
 static inline E512 emu_zextsi256_si512(__m256i a) { E512 r; memset(&r, 0, 64); r.h[0] = a; return r; }
 static inline E512 emu_castps128_ps512(__m128 a) { E512 r; memset(&r, 0xAB, 64); memcpy(&r, &a, 16); return r; }
@@ -519,7 +523,6 @@ typedef uint16_t emask16;
 static inline E512 emu_sub_epi8(E512 a, E512 b) { L64 a.b[i] -= b.b[i]; return a; }
 static inline E512 emu_set1_epi16(short v) { E512 r; for (int i = 0; i < 32; i++) r.w[i] = (uint16_t)v; return r; }
 static inline E512 emu_set1_ps(float v) { E512 r; L16 r.f[i] = v; return r; }
-static inline E512 emu_add_ps(E512 a, E512 b) { L16 a.f[i] += b.f[i]; return a; }
 static inline E512 emu_load_ps(const float *p) { return emu_loadu_ps(p); }
 static inline E512 emu_load_si512(const void *p) { return emu_loadu_si512(p); }
 static inline void emu_storeu_si512(void *p, E512 v) { memcpy(p, &v, 64); }
