@@ -241,9 +241,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     const int ahead = KILN_PREFETCH_AHEAD(n);
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + ahead + o, _MM_HINT_T0);
-        if (far)
-            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
+        KILN_PREFETCH_GROUP(p, GB, ahead, far);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
@@ -361,7 +359,7 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
                 if (kiln_fmt_is_float(f))
                     ftile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, nrows);
                 else
-                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, t0 == 0 && n > 2, yt, ldy, nrows);
+                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, KILN_PREFETCH_FAR_FOR(t0, n), yt, ldy, nrows);
             }
         }
 }

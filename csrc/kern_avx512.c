@@ -272,9 +272,7 @@ ALWAYS void groups_by_pairs(kiln_wfmt f, const uint8_t *tile, int G, const uint8
     const int HB = kiln_fmt_head_bytes(f, 8), QB = kiln_fmt_quant_bytes(f, 8), GB = 4 * (HB + QB);
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
-        if (far)
-            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
+        KILN_PREFETCH_GROUP(p, GB, KILN_PREFETCH_AHEAD(n), far);
         __m512i pw[2][8];
         __m512 d[2], m[2], sc[2];
         for (int pr = 0; pr < 2; pr++) {
@@ -303,7 +301,7 @@ ALWAYS void groups_one_token(kiln_wfmt f, const uint8_t *tile, int G, const uint
     __m512 pacc[2];
     for (int g = 0; g < G; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH + o, _MM_HINT_T0);
+        KILN_PREFETCH_GROUP(p, GB, KILN_PREFETCH, 0);
         __m512i a[4];
         for (int i = 0; i < 4; i++) a[i] = ld512(ag + 64 * i);
         /* the offset in the low half only: folding adds it once to each row's block sums */
@@ -367,7 +365,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
                 store_pairs(pacc, n, y, ldy, nrows);
                 return;
             }
-            for (int pr = 0; pr < 2; pr++)
+            for (int pr = 0; pr < 2; pr++) /* the tail below adds into each row's own accumulators */
                 for (int t = 0; t < n; t++) unpair(pacc[pr][t], &acc[2 * pr][t], &acc[2 * pr + 1][t]);
         } else {
             groups_one_token(f, tile, G, act, acc);
@@ -376,9 +374,7 @@ ALWAYS void qtile(kiln_wfmt f, const uint8_t *tile, int cols, const uint8_t *act
     }
     for (int g = 0; g < G_by_row; g++) {
         const uint8_t *p = tile + g * GB, *ag = act + g * KILN_AG_BYTES;
-        for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_AHEAD(n) + o, _MM_HINT_T0);
-        if (far)
-            for (int o = 0; o < GB; o += 64) _mm_prefetch((const char *)p + KILN_PREFETCH_FAR + o, _MM_HINT_T1);
+        KILN_PREFETCH_GROUP(p, GB, KILN_PREFETCH_AHEAD(n), far);
         for (int r = 0; r < 4; r++) {
             wrow w;
             prep(f, p + r * HB, p + 4 * HB + r * QB, 8, &w);
@@ -464,7 +460,7 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
                 if (kiln_fmt_is_float(f))
                     ftile(f, tile, w->cols, act + t0 * stride, stride, n, yt, ldy, w->rows - 4 * ti);
                 else
-                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, t0 == 0 && n > 2, yt, ldy, w->rows - 4 * ti);
+                    qtile(f, tile, w->cols, act + t0 * stride, stride, n, KILN_PREFETCH_FAR_FOR(t0, n), yt, ldy, w->rows - 4 * ti);
             }
         }
 }

@@ -157,9 +157,18 @@ uint64_t kiln_mem_read(const void *p, size_t size); /* reads every byte once (ba
 /* How far ahead a kernel called for n_tok tokens fetches its weights. */
 #define KILN_PREFETCH_AHEAD(n_tok) ((n_tok) == 2 ? KILN_PREFETCH_PAIR : KILN_PREFETCH)
 /* Bytes ahead that a kernel called for more than two tokens also fetches into L2, on its first pass over a
-   chunk's weights: fetched into L1 from close by only, weights streamed from DRAM arrive too late for a step
-   that spends that much longer on each group (docs/PERF.md, "Prefetch"). */
+   chunk's weights (token block t0 == 0): fetched into L1 from close by only, weights streamed from DRAM arrive
+   too late for a step that spends that much longer on each group (docs/PERF.md, "Prefetch"). */
 #define KILN_PREFETCH_FAR 16384
+#define KILN_PREFETCH_FAR_FOR(t0, n_tok) ((t0) == 0 && (n_tok) > 2)
+/* The SIMD kernels' fetches for the weight group of `bytes` at p: `ahead` bytes ahead into L1, and with `far`
+   KILN_PREFETCH_FAR ahead into L2. A macro, so each fetch is an _mm_prefetch in the kernel's own code. */
+#define KILN_PREFETCH_GROUP(p, bytes, ahead, far)                                                             \
+    do {                                                                                                     \
+        for (int o_ = 0; o_ < (bytes); o_ += 64) _mm_prefetch((const char *)(p) + (ahead) + o_, _MM_HINT_T0); \
+        if (far)                                                                                             \
+            for (int o_ = 0; o_ < (bytes); o_ += 64) _mm_prefetch((const char *)(p) + KILN_PREFETCH_FAR + o_, _MM_HINT_T1); \
+    } while (0)
 #define KILN_FCHUNK 16           /* columns per chunk of the float formats */
 #define KILN_AG_BYTES 384        /* one activation group */
 #define KILN_AG_D 256            /* offsets inside an activation group */
