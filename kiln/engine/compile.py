@@ -168,11 +168,9 @@ class Lowering:
         return op
 
     def _chunk_tiles(self, wmat) -> int:
-        lay = wmat.layout
-        tiles = lay["rows_padded"] // 4
-        by_balance = -(-tiles // (4 * self.threads))
-        by_size = max(1, 65536 // max(1, lay["tile_bytes"]))
-        tiles = max(1, min(by_balance, by_size))
+        # a quarter of a thread's share: each chunk a worker claims starts a new stream of weights, and
+        # small ones cost decode a tenth or more where the memory is fast (docs/PERF.md, "Chunks")
+        tiles = max(1, -(-(wmat.layout["rows_padded"] // 4) // (4 * self.threads)))
         # the AMX prefill multiplies 32 rows (8 tiles) at a time: a chunk of whole such pairs wastes none
         return tiles // 8 * 8 if tiles >= 8 else tiles
 
