@@ -168,8 +168,8 @@ class Lowering:
         return op
 
     def _chunk_tiles(self, wmat) -> int:
-        # a quarter of a thread's share: each chunk a worker claims starts a new stream of weights, and
-        # small ones cost decode a tenth or more where the memory is fast (docs/PERF.md, "Chunks")
+        # a quarter of a thread's share, however many bytes: each chunk a worker claims starts a new stream
+        # of weights for the prefetcher (docs/PERF.md, "Chunks of a quarter of a thread's share")
         tiles = max(1, -(-(wmat.layout["rows_padded"] // 4) // (4 * self.threads)))
         # the AMX prefill multiplies 32 rows (8 tiles) at a time: a chunk of whole such pairs wastes none
         return tiles // 8 * 8 if tiles >= 8 else tiles
