@@ -111,20 +111,48 @@ static int set_logit_floors(kiln_plan *p, const kiln_op *op, int n_out, int n_ch
     return n;
 }
 
-/* Whether output row t has a logit at or above `floor` in rows [a, b) of the vocabulary (one tile). */
-static int tile_refined(const kiln_op *op, int t, int a, int b, float floor) {
-    const float *y = op->out + (size_t)t * op->rows;
-    int hit = 0;
-    for (int r = a; r < b; r++) hit |= y[r] >= floor;
-    return hit;
-}
-
 /* part[a - r0 .. b - r0) += tile `tile` of w times one activation row. */
 static void add_tile(const kiln_wmat *w, const uint8_t *act, int tile, float *part, int r0) {
     float v[KILN_TILE_ROWS];
     int a = tile * KILN_TILE_ROWS, b = a + KILN_TILE_ROWS < w->rows ? a + KILN_TILE_ROWS : w->rows;
     kiln_matmul(w, act, 1, v - a, KILN_TILE_ROWS, tile, tile + 1);
     for (int r = a; r < b; r++) part[r - r0] += v[r - a];
+}
+
+/* flags[k] of tile k of the chunk y[0, n): bit 0 whether a logit of it is at or above floor, bit 1 at or
+ * above floor2. */
+static void tile_flags(const float *y, int n, float floor, float floor2, uint8_t *flags) {
+    int full = n / 4;
+    for (int k = 0; k < full; k++) {
+        const float *v = y + 4 * k;
+        int at = (v[0] >= floor) | (v[1] >= floor) | (v[2] >= floor) | (v[3] >= floor);
+        int at2 = (v[0] >= floor2) | (v[1] >= floor2) | (v[2] >= floor2) | (v[3] >= floor2);
+        flags[k] = (uint8_t)(at | at2 << 1);
+    }
+    if (full * 4 < n) {
+        int at = 0, at2 = 0;
+        for (int r = 4 * full; r < n; r++) {
+            at |= y[r] >= floor;
+            at2 |= y[r] >= floor2;
+        }
+        flags[full] = (uint8_t)(at | at2 << 1);
+    }
+}
+
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+/* y[0, n) = 0 + y where tile k's flag has bit 0, else 0: the sum a part zeroed and then added to gives. */
+static void keep_flagged(float *y, int n, const uint8_t *flags) {
+    int full = n / 4;
+    for (int k = 0; k < full; k++) {
+        f32x4 v;
+        memcpy(&v, y + 4 * k, sizeof v);
+        i32x4 keep = (i32x4){0, 0, 0, 0} - (int32_t)(flags[k] & 1);
+        v = (f32x4)((i32x4)(v + 0.0f) & keep);
+        memcpy(y + 4 * k, &v, sizeof v);
+    }
+    for (int r = 4 * full; r < n; r++) y[r] = flags[full] & 1 ? 0.0f + y[r] : 0.0f;
 }
 
 /* What refining adds to chunk c's logits (zero where nothing is refined), into scratch: a split head's
@@ -145,54 +173,48 @@ static void refine_compute(void *ctx, int i, int thread) {
     const uint8_t *second = (const uint8_t *)op->act[op->w_act] + (size_t)n_out * stride;
     const uint8_t *remainder = split(op) ? (const uint8_t *)op->act[1] + (size_t)n_out * stride : NULL;
     float *part = scratch(j, thread);
+    int tiles = (n + 3) / 4, pairs = 0; /* r0 is a tile's first row; pairs: (row, tile) refined */
     int *hits = (int *)(part + (size_t)n_out * n) + 1; /* the chunk's tiles some row refines, their count before */
-    int full = n / 4, tiles = (n + 3) / 4, pairs = 0; /* r0 is a tile's first row; pairs: (row, tile) refined */
+    /* flags[t * tiles + k]: whether row t refines tile k, bit 0 at `lowest`, bit 1 (a split head with
+     * second rows) at the second rows' margin, a subset of it as LOGIT_MARGIN < SPLIT_MARGIN */
+    uint8_t *flags = (uint8_t *)(hits + tiles);
+    for (int t = 0; t < n_out; t++)
+        tile_flags(op->out + (size_t)t * op->rows + r0, n, lowest[t], p->logit_floor[t], flags + (size_t)t * tiles);
+    int second_bit = split(op) ? 2 : 1;
     memset(hits, 0, sizeof(int) * (size_t)tiles);
-    for (int t = 0; t < n_out; t++) { /* first a count per tile, row by row without branches */
-        const float *y = op->out + (size_t)t * op->rows + r0;
-        float floor = lowest[t];
-        for (int k = 0; k < full; k++)
-            hits[k] += (y[4 * k] >= floor) | (y[4 * k + 1] >= floor) | (y[4 * k + 2] >= floor) | (y[4 * k + 3] >= floor);
-        int tail = 0;
-        for (int r = 4 * full; r < n; r++) tail |= y[r] >= floor;
-        if (full < tiles) hits[full] += tail;
-    }
+    for (int t = 0; t < n_out; t++)
+        for (int k = 0; k < tiles; k++) hits[k] += flags[(size_t)t * tiles + k] & 1;
     for (int k = 0; k < tiles; k++) pairs += hits[k];
     for (int k = 0; k < tiles; k++) /* then the flagged tiles' numbers, in place */
         if (hits[k]) hits[n_hits++] = r0 / 4 + k;
     hits[-1] = n_hits;
-    for (int t = 0; t < n_out; t++) /* only the hit tiles' part is used (and committed) */
-        for (int i = 0; i < n_hits; i++) {
-            int a = hits[i] * 4;
-            memset(part + (size_t)t * n + a - r0, 0, sizeof(float) * (size_t)(a + 4 < r1 ? 4 : r1 - a));
-        }
     /* A flat distribution (random tokens, llama-bench's method) puts most of the vocabulary within the
-     * margin: then lo is streamed over the whole chunk for every row at once, and added where refined.
+     * margin: then lo is streamed over the whole chunk for every row at once, and kept where refined.
      * Against one row's dot of a tile fetched on its own (~4x a streamed tile's), a chunk's dots for n rows
      * cost about (n + 2) / 3 streamed tiles each, so streaming pays from (n + 2) / 12 refined (row, tile)
      * pairs per tile (docs/PERF.md, "The split output head"). */
     int dense = split(op) && 12 * pairs > tiles * (n_out + 2);
     if (dense) {
-        float *all = (float *)(hits + (n + 3) / 4);
-        kiln_matmul(op->w2, remainder, n_out, all - r0, n, r0 / 4, (r1 + 3) / 4);
-        for (int t = 0; t < n_out; t++)
-            for (int a = r0; a < r1; a += 4) {
-                int b = a + 4 < r1 ? a + 4 : r1;
-                if (tile_refined(op, t, a, b, p->remainder_floor[t]))
-                    for (int r = a; r < b; r++) part[(size_t)t * n + r - r0] += all[(size_t)t * n + r - r0];
+        kiln_matmul(op->w2, remainder, n_out, part - r0, n, r0 / 4, (r1 + 3) / 4);
+        for (int t = 0; t < n_out; t++) keep_flagged(part + (size_t)t * n, n, flags + (size_t)t * tiles);
+    } else
+        for (int t = 0; t < n_out; t++) /* only the hit tiles' part is used (and committed) */
+            for (int i = 0; i < n_hits; i++) {
+                int a = hits[i] * 4;
+                memset(part + (size_t)t * n + a - r0, 0, sizeof(float) * (size_t)(a + 4 < r1 ? 4 : r1 - a));
             }
-    }
+    if (dense && !paired(op, w)) return;
     for (int i = 0; i < n_hits; i++) {
         if (i + 1 < n_hits && !dense) {
             const char *next = (const char *)streamed->data + (size_t)hits[i + 1] * streamed->tile_bytes;
             for (size_t o = 0; o < streamed->tile_bytes; o += 64) __builtin_prefetch(next + o);
         }
-        int a = hits[i] * 4, b = a + 4 < r1 ? a + 4 : r1;
+        int k = hits[i] - r0 / 4;
         for (int t = 0; t < n_out; t++) {
             float *pt = part + (size_t)t * n;
-            if (split(op) && !dense && tile_refined(op, t, a, b, p->remainder_floor[t]))
+            if (split(op) && !dense && flags[(size_t)t * tiles + k] & 1)
                 add_tile(op->w2, remainder + (size_t)t * stride, hits[i], pt, r0);
-            if (paired(op, w) && tile_refined(op, t, a, b, p->logit_floor[t])) {
+            if (paired(op, w) && flags[(size_t)t * tiles + k] & second_bit) {
                 add_tile(w, second + (size_t)t * stride, hits[i], pt, r0);
                 if (split(op)) add_tile(op->w2, second + (size_t)t * stride, hits[i], pt, r0);
             }
@@ -209,11 +231,17 @@ static void refine_commit(void *ctx, int i, int thread) {
     int n = r1 - r0;
     const float *part = scratch(j, thread);
     const int *hits = (const int *)(part + (size_t)j->n_out * n) + 1;
+    float scale = op->scale;
     for (int t = 0; t < j->n_out; t++) {
         float *y = op->out + (size_t)t * op->rows;
         const float *pt = part + (size_t)t * n - r0;
-        for (int i = 0; i < hits[-1]; i++)
-            for (int r = hits[i] * 4; r < hits[i] * 4 + 4 && r < r1; r++) y[r] += op->scale * pt[r];
+        for (int i = 0; i < hits[-1]; i++) {
+            int a = hits[i] * 4;
+            if (a + 4 <= r1)
+                for (int r = a; r < a + 4; r++) y[r] += scale * pt[r];
+            else
+                for (int r = a; r < r1; r++) y[r] += scale * pt[r];
+        }
     }
 }
 
@@ -230,12 +258,12 @@ static void logits_commit(void *ctx, int c, int thread) {
 }
 
 /* First pass: a chunk's logits for every row, then each row's best. Refining: the chunk's part for every
- * row, its tile count and flagged tiles (ints), then (a split head streamed whole) the low bits' share. */
+ * row, its tile count and flagged tiles (ints), then a byte a (row, tile): whether that row refines it. */
 size_t kiln_logits_scratch(const kiln_op *op, int rows, int out_rows) {
     (void)rows;
     size_t n = (size_t)op->chunk_tiles * 4, first = (size_t)out_rows * n, more = 0;
     if (refines(op)) {
-        size_t refine = 1 + (size_t)op->chunk_tiles + (split(op) ? first : 0);
+        size_t refine = 1 + (size_t)op->chunk_tiles + ((size_t)out_rows * op->chunk_tiles + 3) / 4;
         more = refine > (size_t)out_rows ? refine : (size_t)out_rows;
     }
     return first + more;
