@@ -9,7 +9,8 @@
  *
  * S holds no history: it is the slot's state after the last row it took (kiln/engine/kv.py,
  * StateWindow, says where a slot may continue). The rows run in order, so a chunk of one sequence reads
- * what its earlier rows stored; within a row the value heads are independent and go to the pool. */
+ * what its earlier rows stored; the convolution's channels, and then the value heads, are independent and go
+ * to the pool, each chunk taking its share of every row in order. */
 #include "ops.h"
 
 void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b) {
@@ -38,23 +39,32 @@ void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need(b, "matrices", op->dn_matrices, sizeof(float) * p->n_slots * (size_t)nv * dk * dv);
 }
 
-/* The row's convolution (stored into `mixed`, after SiLU), its input then stored in the ring, and its q
- * and k heads normalized. */
-static void mix_row(const kiln_op *op, const float *in, float *ring, int pos, float *mixed) {
-    const int n = op->cols, L = op->conv_len, R = op->state_len;
+/* The q, k and v heads of a row's input, in order, are its units: a chunk of the convolution is a run of
+ * whole units, so the heads it normalizes are its own. */
+static int n_units(const kiln_op *op) { return 2 * op->dn_k_heads + op->dn_v_heads; }
+static int unit_start(const kiln_op *op, int u) {
+    const int qk = 2 * op->dn_k_heads;
+    return u < qk ? u * op->dn_k_dim : qk * op->dn_k_dim + (u - qk) * op->dn_v_dim;
+}
+
+/* Units [u0, u1) of a row: its convolution (stored into `mixed`, after SiLU), its input then stored in
+ * the ring, and its q and k heads normalized. Each channel's taps read only that channel. */
+static void mix_units(const kiln_op *op, const float *in, float *ring, int pos, float *mixed, int u0, int u1) {
+    const int n = op->cols, L = op->conv_len, R = op->state_len, i0 = unit_start(op, u0), i1 = unit_start(op, u1);
     const float *w = op->conv_w;
-    for (int i = 0; i < n; i++) mixed[i] = 0.0f;
+    for (int i = i0; i < i1; i++) mixed[i] = 0.0f;
     for (int k = 0; k < L; k++) { /* tap k reads position pos - (L - 1) + k: the last, the row's own input */
         int at = pos - (L - 1) + k;
         if (at < 0) continue;
         const float *past = k == L - 1 ? in : ring + (size_t)(at % R) * n;
-        for (int i = 0; i < n; i++) mixed[i] += w[(size_t)i * L + k] * past[i];
+        for (int i = i0; i < i1; i++) mixed[i] += w[(size_t)i * L + k] * past[i];
     }
-    memcpy(ring + (size_t)(pos % R) * n, in, sizeof(float) * n); /* after the taps: it may be the oldest's row */
-    for (int i = 0; i < n; i++) mixed[i] = mixed[i] / (1.0f + expf(-mixed[i]));
-    const int dk = op->dn_k_dim;
+    /* after the taps: it may be the oldest's row */
+    memcpy(ring + (size_t)(pos % R) * n + i0, in + i0, sizeof(float) * (size_t)(i1 - i0));
+    for (int i = i0; i < i1; i++) mixed[i] = mixed[i] / (1.0f + expf(-mixed[i]));
+    const int dk = op->dn_k_dim, qk = 2 * op->dn_k_heads;
     const float q_scale = 1.0f / sqrtf((float)dk);
-    for (int h = 0; h < 2 * op->dn_k_heads; h++) {
+    for (int h = u0; h < u1 && h < qk; h++) {
         float *x = mixed + (size_t)h * dk, ss = 0.0f;
         for (int i = 0; i < dk; i++) ss += x[i] * x[i];
         float inv = 1.0f / sqrtf(ss + 1e-6f) * (h < op->dn_k_heads ? q_scale : 1.0f);
@@ -65,29 +75,36 @@ static void mix_row(const kiln_op *op, const float *in, float *ring, int pos, fl
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* One value head of one row: S decays, takes the delta-rule update, and is read by q; the output is
- * normalized and gated. `recalled` holds v_dim floats. */
+ * normalized and gated. `recalled` holds v_dim floats. With AVX2 the update is delta_avx2.c's, fused. */
 static void head_row(const kiln_op *op, const float *mixed, float *S, int t, int h, float *recalled) {
     const int nk = op->dn_k_heads, nv = op->dn_v_heads, dk = op->dn_k_dim, dv = op->dn_v_dim;
     const float *q = mixed + (size_t)(h % nk) * dk, *k = mixed + (size_t)(nk + h % nk) * dk;
     const float *v = mixed + (size_t)2 * nk * dk + (size_t)h * dv;
     const float decay = expf(op->dn_decay[h] * softplus(op->dn_alpha[(size_t)t * nv + h] + op->dn_dt_bias[h]));
     const float rate = 1.0f / (1.0f + expf(-op->dn_beta[(size_t)t * nv + h]));
-    for (int j = 0; j < dv; j++) recalled[j] = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] *= decay;
-            recalled[j] += row[j] * k[i];
-        }
-    }
-    for (int j = 0; j < dv; j++) recalled[j] = (v[j] - recalled[j]) * rate; /* now the update's delta */
     float *out = op->out + (size_t)t * nv * dv + (size_t)h * dv;
-    for (int j = 0; j < dv; j++) out[j] = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        for (int j = 0; j < dv; j++) {
-            row[j] += k[i] * recalled[j];
-            out[j] += row[j] * q[i];
+#if KILN_X86
+    if (kiln_active_isa() >= ISA_AVX2 && dv % 8 == 0)
+        kiln_delta_head_avx2(S, q, k, v, decay, rate, dk, dv, recalled, out);
+    else
+#endif
+    {
+        for (int j = 0; j < dv; j++) recalled[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv;
+            for (int j = 0; j < dv; j++) {
+                row[j] *= decay;
+                recalled[j] += row[j] * k[i];
+            }
+        }
+        for (int j = 0; j < dv; j++) recalled[j] = (v[j] - recalled[j]) * rate; /* now the update's delta */
+        for (int j = 0; j < dv; j++) out[j] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv;
+            for (int j = 0; j < dv; j++) {
+                row[j] += k[i] * recalled[j];
+                out[j] += row[j] * q[i];
+            }
         }
     }
     rmsnorm(out, op->norm_w, op->eps, dv, out);
@@ -119,16 +136,27 @@ static void commit_heads(void *ctx, int c, int thread) {
     }
 }
 
+/* The convolution's chunks: runs of heads_per_chunk units, for every row in order (a row's taps read what
+ * the rows before it stored in the ring), committed in place as the heads are. */
+static void commit_mix(void *ctx, int c, int thread) {
+    (void)thread;
+    const job *j = ctx;
+    const kiln_op *op = j->op;
+    const kiln_plan *p = j->plan;
+    const int per = heads_per_chunk(op), u1 = (c + 1) * per < n_units(op) ? (c + 1) * per : n_units(op);
+    for (int t = 0; t < j->n_rows; t++) {
+        float *ring = op->state + (size_t)p->slots[t] * op->state_len * op->cols;
+        mix_units(op, op->in + (size_t)t * op->cols, ring, p->positions[t], op->dn_mixed + (size_t)t * op->cols, c * per, u1);
+    }
+}
+
 static void compute_nothing(void *ctx, int c, int thread) { (void)ctx, (void)c, (void)thread; }
 
 int64_t kiln_delta_net_run(kiln_plan *p, job *j) {
     const kiln_op *op = j->op;
-    for (int t = 0; t < j->n_rows; t++) {
-        float *ring = op->state + (size_t)p->slots[t] * op->state_len * op->cols;
-        mix_row(op, op->in + (size_t)t * op->cols, ring, p->positions[t], op->dn_mixed + (size_t)t * op->cols);
-    }
-    const int chunks = (op->dn_v_heads + heads_per_chunk(op) - 1) / heads_per_chunk(op);
-    return kiln_pool_run(p->pool, compute_nothing, commit_heads, j, chunks);
+    const int per = heads_per_chunk(op);
+    int64_t wait = kiln_pool_run(p->pool, compute_nothing, commit_mix, j, (n_units(op) + per - 1) / per);
+    return wait + kiln_pool_run(p->pool, compute_nothing, commit_heads, j, (op->dn_v_heads + per - 1) / per);
 }
 
 void kiln_gate_bounds(const kiln_op *op, kiln_bounds *b) {

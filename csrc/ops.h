@@ -88,6 +88,10 @@ int64_t kiln_shortconv_run(kiln_plan *p, job *j);
 size_t kiln_delta_net_scratch(const kiln_op *op, int rows, int out_rows);
 void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_delta_net_run(kiln_plan *p, job *j);
+/* One value head's state update and read for one row (op_delta.c's head_row, delta_avx2.c): S [dk][dv]
+ * decays and moves toward v along k; delta takes the update's dv values, out the read Sᵀq. */
+void kiln_delta_head_avx2(float *S, const float *q, const float *k, const float *v, float decay, float rate, int dk,
+                          int dv, float *delta, float *out);
 void kiln_gate_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_gate_run(kiln_plan *p, job *j);
 
