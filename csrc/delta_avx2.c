@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "ops.h"
+#include "vecmath.h"
 
 #define ALWAYS static inline __attribute__((always_inline))
 
@@ -52,5 +53,22 @@ void kiln_delta_head_avx2(float *S, const float *q, const float *k, const float 
     for (int j = 0; j < dv; j += 8) _mm256_storeu_ps(out + j, _mm256_setzero_ps());
     for (i = 0; i + 4 <= dk; i += 4) update_rows(S, dv, i, 4, k, q, dec, delta, out);
     if (i < dk) update_rows(S, dv, i, dk - i, k, q, dec, delta, out);
+}
+
+/* The DeltaNet's activations eight values a vector, with vecmath.h's exp (n a multiple of 8): x = silu(x)
+ * (the convolution's output), y *= silu(z) (the output gate), y = x sigmoid(z) (GATE). */
+void kiln_silu_avx2(float *x, int n) {
+    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, silu256(_mm256_loadu_ps(x + i)));
+}
+
+void kiln_silu_gate_avx2(float *y, const float *z, int n) {
+    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), silu256(_mm256_loadu_ps(z + i))));
+}
+
+void kiln_sigmoid_gate_avx2(float *y, const float *x, const float *z, int n) {
+    for (int i = 0; i < n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(z + i)));
+        _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_loadu_ps(x + i), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    }
 }
 #endif

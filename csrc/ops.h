@@ -92,6 +92,9 @@ int64_t kiln_delta_net_run(kiln_plan *p, job *j);
  * decays and moves toward v along k; delta takes the update's dv values, out the read Sᵀq. */
 void kiln_delta_head_avx2(float *S, const float *q, const float *k, const float *v, float decay, float rate, int dk,
                           int dv, float *delta, float *out);
+void kiln_silu_avx2(float *x, int n);
+void kiln_silu_gate_avx2(float *y, const float *z, int n);
+void kiln_sigmoid_gate_avx2(float *y, const float *x, const float *z, int n);
 void kiln_gate_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_gate_run(kiln_plan *p, job *j);
 
