@@ -55,16 +55,7 @@ void kiln_delta_head_avx2(float *S, const float *q, const float *k, const float 
     if (i < dk) update_rows(S, dv, i, dk - i, k, q, dec, delta, out);
 }
 
-/* The DeltaNet's activations eight values a vector, with vecmath.h's exp (n a multiple of 8): x = silu(x)
- * (the convolution's output), y *= silu(z) (the output gate), y = x sigmoid(z) (GATE). */
-void kiln_silu_avx2(float *x, int n) {
-    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, silu256(_mm256_loadu_ps(x + i)));
-}
-
-void kiln_silu_gate_avx2(float *y, const float *z, int n) {
-    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), silu256(_mm256_loadu_ps(z + i))));
-}
-
+/* GATE's y = x sigmoid(z), eight values a vector with vecmath.h's exp (n a multiple of 8). */
 void kiln_sigmoid_gate_avx2(float *y, const float *x, const float *z, int n) {
     for (int i = 0; i < n; i += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(z + i)));

@@ -39,7 +39,7 @@ void kiln_delta_net_bounds(const kiln_op *op, kiln_bounds *b) {
     kiln_need(b, "matrices", op->dn_matrices, sizeof(float) * p->n_slots * (size_t)nv * dk * dv);
 }
 
-/* Whether delta_avx2.c's update and activations take n values, eight at a time. */
+/* Whether delta_avx2.c's update and GATE take n values, eight at a time. */
 static int vector_path(int n) {
 #if KILN_X86
     return kiln_active_isa() >= ISA_AVX2 && n % 8 == 0;
@@ -71,12 +71,7 @@ static void mix_units(const kiln_op *op, const float *in, float *ring, int pos, 
     }
     /* after the taps: it may be the oldest's row */
     memcpy(ring + (size_t)(pos % R) * n + i0, in + i0, sizeof(float) * (size_t)(i1 - i0));
-#if KILN_X86
-    if (vector_path(i1 - i0))
-        kiln_silu_avx2(mixed + i0, i1 - i0);
-    else
-#endif
-        for (int i = i0; i < i1; i++) mixed[i] = mixed[i] / (1.0f + expf(-mixed[i]));
+    kiln_act_row(ACT_SILU, mixed + i0, i1 - i0);
     const int dk = op->dn_k_dim, qk = 2 * op->dn_k_heads;
     const float q_scale = 1.0f / sqrtf((float)dk);
     for (int h = u0; h < u1 && h < qk; h++) {
@@ -90,7 +85,7 @@ static void mix_units(const kiln_op *op, const float *in, float *ring, int pos, 
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* One value head of one row: S decays, takes the delta-rule update, and is read by q; the output is
- * normalized and gated. `recalled` holds v_dim floats. With AVX2 the update and the gate are delta_avx2.c's. */
+ * normalized and gated. `recalled` holds v_dim floats. With AVX2 the update is delta_avx2.c's. */
 static void head_row(const kiln_op *op, const float *mixed, float *S, int t, int h, float *recalled) {
     const int nk = op->dn_k_heads, nv = op->dn_v_heads, dk = op->dn_k_dim, dv = op->dn_v_dim;
     const float *q = mixed + (size_t)(h % nk) * dk, *k = mixed + (size_t)(nk + h % nk) * dk;
@@ -124,12 +119,7 @@ static void head_row(const kiln_op *op, const float *mixed, float *S, int t, int
     }
     rmsnorm(out, op->norm_w, op->eps, dv, out);
     const float *z = op->dn_z + (size_t)t * nv * dv + (size_t)h * dv;
-#if KILN_X86
-    if (vector_path(dv))
-        kiln_silu_gate_avx2(out, z, dv);
-    else
-#endif
-        for (int j = 0; j < dv; j++) out[j] *= z[j] / (1.0f + expf(-z[j]));
+    kiln_glu_row(ACT_SILU, z, out, out, dv);
 }
 
 size_t kiln_delta_net_scratch(const kiln_op *op, int rows, int out_rows) {

@@ -49,7 +49,7 @@ AVX2 static void act_row_avx2(int kind, float *x, int n) {
 #endif
 
 /* x[i] = act(x[i]), in place: a GELU MLP's up projection as it is stored */
-static void act_row(int kind, float *x, int n) {
+void kiln_act_row(int kind, float *x, int n) {
 #if defined(KILN_X86)
     if (kiln_active_isa() >= ISA_AVX2) {
         act_row_avx2(kind, x, n);
@@ -123,7 +123,7 @@ static void matmul_compute(void *ctx, int c, int thread) {
     job_matmul(j, op->w, op->w_act, j->n_rows, y, n, r0, r1);
     add_bias(op->bias, y, j->n_rows, r0, n);
     if (op->activate)
-        for (int t = 0; t < j->n_rows; t++) act_row(op->glu_act, y + (size_t)t * n, n);
+        for (int t = 0; t < j->n_rows; t++) kiln_act_row(op->glu_act, y + (size_t)t * n, n);
     if (op->scale != 1.0f)
         for (size_t i = 0; i < (size_t)j->n_rows * n; i++) y[i] *= op->scale;
     if (op->res)

@@ -69,6 +69,8 @@ void kiln_glu_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_glu_run(kiln_plan *p, job *j);
 /* out[i] = act(g[i]) * u[i] (ACT_*), the same bits wherever a row is cut */
 void kiln_glu_row(int kind, const float *g, const float *u, float *out, int n);
+/* x[i] = act(x[i]) in place (ACT_SILU or ACT_GELU_TANH), the same bits wherever a row is cut */
+void kiln_act_row(int kind, float *x, int n);
 
 size_t kiln_qkv_scratch(const kiln_op *op, int rows, int out_rows);
 void kiln_qkv_bounds(const kiln_op *op, kiln_bounds *b);
@@ -92,8 +94,6 @@ int64_t kiln_delta_net_run(kiln_plan *p, job *j);
  * decays and moves toward v along k; delta takes the update's dv values, out the read Sᵀq. */
 void kiln_delta_head_avx2(float *S, const float *q, const float *k, const float *v, float decay, float rate, int dk,
                           int dv, float *delta, float *out);
-void kiln_silu_avx2(float *x, int n);
-void kiln_silu_gate_avx2(float *y, const float *z, int n);
 void kiln_sigmoid_gate_avx2(float *y, const float *x, const float *z, int n);
 void kiln_gate_bounds(const kiln_op *op, kiln_bounds *b);
 int64_t kiln_gate_run(kiln_plan *p, job *j);
