@@ -68,8 +68,8 @@ static inline __attribute__((target("avx2,fma,f16c"))) __m256 load8h(const uint1
 
 /* nq (1..4, a constant once inlined) queries × 16 keys: per dimension, 2 key loads feed 2·nq FMAs, so
  * the keys of a GQA group's 3 query heads are converted once, not once per head. Unless pa is NULL, one
- * cache line is prefetched per dimension, alternately from pa and pb (hd/2 lines of each: 16 keys'
- * worth). */
+ * cache line is prefetched into L2 per dimension, alternately from pa and pb (hd/2 lines of each: 16 keys'
+ * worth); fetches into L1 stall on its few miss buffers. */
 static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void scores_16(const float *q, int nq, int hd,
                                                                                   const uint16_t *k0, const uint16_t *k1,
                                                                                   const char *pa, const char *pb,
@@ -77,7 +77,7 @@ static inline __attribute__((always_inline, target("avx2,fma,f16c"))) void score
     __m256 a[4], b[4];
     for (int r = 0; r < nq; r++) a[r] = b[r] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d++) {
-        if (pa) _mm_prefetch((d & 1 ? pb : pa) + (d >> 1) * 64, _MM_HINT_T0);
+        if (pa) _mm_prefetch((d & 1 ? pb : pa) + (d >> 1) * 64, _MM_HINT_T1);
         __m256 x0 = load8h(k0 + d * KEY_GROUP), x1 = load8h(k1 + d * KEY_GROUP);
         for (int r = 0; r < nq; r++) {
             __m256 c = _mm256_broadcast_ss(q + r * hd + d);

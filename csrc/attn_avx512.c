@@ -138,17 +138,18 @@ ALWAYS __m512 keys16(const uint16_t *kg, size_t group, int g, int pair, int d) {
 }
 
 /* nq (1..ATTN_FEW_QUERIES) queries x nz (1..4) pieces of 16 keys from group g, the last piece a single
- * group when `half`; both constants once inlined. While the keys are scored, two lines a dimension of each
- * of pv and pk are fetched (the tile's values, the next tile's keys: 2·hd lines of each for 64 keys). */
-ALWAYS void scores_few(const float *q, int nq, int hd, const uint16_t *kg, int g, int nz, int half, const char *pv,
-                       const char *pk, float *s) {
+ * group when `half`; both constants once inlined. While the keys are scored, two lines a dimension of pk
+ * (the next tile's keys: 2·hd lines for 64 keys) are fetched into L2: a decode step's cache comes from
+ * memory, and fetches into L1 stall on its few miss buffers (docs/PERF.md, "Decode attention's prefetches
+ * into L2"). */
+ALWAYS void scores_few(const float *q, int nq, int hd, const uint16_t *kg, int g, int nz, int half, const char *pk,
+                       float *s) {
     const size_t group = (size_t)hd * KEY_GROUP;
     __m512 a[ATTN_FEW_QUERIES][4];
     for (int r = 0; r < nq; r++)
         for (int z = 0; z < nz; z++) a[r][z] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d++) {
-        _mm_prefetch(pv + (size_t)d * 128, _MM_HINT_T0), _mm_prefetch(pv + (size_t)d * 128 + 64, _MM_HINT_T0);
-        _mm_prefetch(pk + (size_t)d * 128, _MM_HINT_T0), _mm_prefetch(pk + (size_t)d * 128 + 64, _MM_HINT_T0);
+        _mm_prefetch(pk + (size_t)d * 128, _MM_HINT_T1), _mm_prefetch(pk + (size_t)d * 128 + 64, _MM_HINT_T1);
         __m512 x[4];
         for (int z = 0; z < nz; z++) x[z] = keys16(kg, group, g + 2 * z, !(half && z == nz - 1), d);
         for (int r = 0; r < nq; r++) {
@@ -168,36 +169,38 @@ ALWAYS void scores_few(const float *q, int nq, int hd, const uint16_t *kg, int g
         default: fn(1, __VA_ARGS__); \
         } \
     } while (0)
-#define SCORES_FEW(nq, q, hd, kg, g, nz, half, pv, pk, s) scores_few(q, nq, hd, kg, g, nz, half, pv, pk, s)
-#define ACCUMULATE_FEW(nq, p, nk, v, hd, nz, o) accumulate_few(p, nq, nk, v, hd, nz, o)
+#define SCORES_FEW(nq, q, hd, kg, g, nz, half, pk, s) scores_few(q, nq, hd, kg, g, nz, half, pk, s)
+#define ACCUMULATE_FEW(nq, p, nk, v, hd, nz, pf, o) accumulate_few(p, nq, nk, v, hd, nz, pf, o)
 
 /* kiln_kv_kernels.scores for nq <= ATTN_FEW_QUERIES. Lanes past nk (up to the tile's 64) get scores of
  * zero keys. */
 void kiln_scores_few_avx512(const float *q, int nq, int hd, const uint8_t *kg_bytes, int nk, const uint8_t *v,
                             const uint8_t *next, float *s) {
+    (void)v;
     const uint16_t *kg = (const uint16_t *)kg_bytes;
-    const char *pv = (const char *)v, *pk = (const char *)next;
+    const char *pk = (const char *)next;
     if (nk == ATTN_TILE) {
-        BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, 0, pv, pk, s);
+        BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, 0, pk, s);
         return;
     }
     /* a context's last tile; prefetching past a cache's end is harmless */
     int groups = nk / KEY_GROUP, nz = (groups + 1) / 2, half = groups % 2;
     switch (nz) {
-    case 4: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, half, pv, pk, s); break;
-    case 3: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 3, half, pv, pk, s); break;
-    case 2: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 2, half, pv, pk, s); break;
-    default: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 1, half, pv, pk, s);
+    case 4: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 4, half, pk, s); break;
+    case 3: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 3, half, pk, s); break;
+    case 2: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 2, half, pk, s); break;
+    default: BY_FEW_QUERIES(SCORES_FEW, nq, q, hd, kg, 0, 1, half, pk, s);
     }
 }
 
 /* nq (1..ATTN_FEW_QUERIES) queries x nz (1..4) pieces of 16 dimensions of values v ([key][hd], from the
- * first dimension wanted). */
-ALWAYS void accumulate_few(const float *p, int nq, int nk, const uint16_t *v, int hd, int nz, float *o) {
+ * first dimension wanted), fetching two lines a key from pf into L2. */
+ALWAYS void accumulate_few(const float *p, int nq, int nk, const uint16_t *v, int hd, int nz, const char *pf, float *o) {
     __m512 a[ATTN_FEW_QUERIES][4];
     for (int r = 0; r < nq; r++)
         for (int z = 0; z < nz; z++) a[r][z] = _mm512_loadu_ps(o + r * hd + 16 * z);
     for (int j = 0; j < nk; j++) {
+        _mm_prefetch(pf + (size_t)j * 128, _MM_HINT_T1), _mm_prefetch(pf + (size_t)j * 128 + 64, _MM_HINT_T1);
         __m512 x[4];
         for (int z = 0; z < nz; z++) x[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (size_t)j * hd + 16 * z)));
         for (int r = 0; r < nq; r++) {
@@ -212,12 +215,16 @@ ALWAYS void accumulate_few(const float *p, int nq, int nk, const uint16_t *v, in
 /* kiln_kv_kernels.accumulate for nq <= ATTN_FEW_QUERIES; hd a multiple of 16. */
 void kiln_accumulate_few_avx512(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
     const uint16_t *v = (const uint16_t *)v_bytes;
+    /* The next tile's values (the next part's past a part's end, harmless past the cache's), 128 lines a
+     * pass: the hd / 64 passes fetch the hd * 128 bytes of 64 keys' values. */
+    const char *next = (const char *)(v + (size_t)ATTN_TILE * hd);
     for (int d = 0; d < hd; d += 64) {
+        const char *pf = next + (size_t)(d / 64) * ATTN_TILE * 128;
         switch ((hd - d) / 16 < 4 ? (hd - d) / 16 : 4) {
-        case 4: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 4, o + d); break;
-        case 3: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 3, o + d); break;
-        case 2: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 2, o + d); break;
-        default: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 1, o + d);
+        case 4: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 4, pf, o + d); break;
+        case 3: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 3, pf, o + d); break;
+        case 2: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 2, pf, o + d); break;
+        default: BY_FEW_QUERIES(ACCUMULATE_FEW, nq, p, nk, v + d, hd, 1, pf, o + d);
         }
     }
 }

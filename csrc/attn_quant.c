@@ -225,8 +225,9 @@ AVX2_INLINE void scores_8(int t, const float *q, int nq, int hd, const uint8_t *
     for (int r = 0; r < nq; r++) _mm256_storeu_ps(s + r * TILE, tot[r]);
 }
 
+/* Into L2, as in attn.c: fetches into L1 stall on its few miss buffers. */
 static inline __attribute__((target("avx2"))) void prefetch_span(const uint8_t *p, size_t bytes) {
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
 }
 
 AVX2_INLINE void scores_avx2(int t, const float *q, int nq, int hd, const uint8_t *kg, int nk, const uint8_t *v,
@@ -330,7 +331,7 @@ AVX512_INLINE prefetch_run prefetch_over(const uint8_t *p, size_t bytes, int ite
 }
 
 AVX512_INLINE void prefetch_next(prefetch_run *f) {
-    for (size_t i = 0; i < f->step && f->at < f->end; i += 64, f->at += 64) _mm_prefetch(f->at, _MM_HINT_T0);
+    for (size_t i = 0; i < f->step && f->at < f->end; i += 64, f->at += 64) _mm_prefetch(f->at, _MM_HINT_T1);
 }
 
 /* nq (1..4) queries x nz (1..4) pieces of 16 keys (`groups` groups of 8 present), both constants once
