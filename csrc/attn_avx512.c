@@ -216,7 +216,8 @@ ALWAYS void accumulate_few(const float *p, int nq, int nk, const uint16_t *v, in
 void kiln_accumulate_few_avx512(const float *p, int nq, int nk, const uint8_t *v_bytes, int hd, float *o) {
     const uint16_t *v = (const uint16_t *)v_bytes;
     /* The next tile's values (the next part's past a part's end, harmless past the cache's), 128 lines a
-     * pass: the hd / 64 passes fetch the hd * 128 bytes of 64 keys' values. */
+     * pass: the passes fetch the hd * 128 bytes of 64 keys' values, and when hd is not a multiple of 64 the
+     * last pass runs on into the tile after (fetched early, not wasted). */
     const char *next = (const char *)(v + (size_t)ATTN_TILE * hd);
     for (int d = 0; d < hd; d += 64) {
         const char *pf = next + (size_t)(d / 64) * ATTN_TILE * 128;
