@@ -617,9 +617,13 @@ def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     d, f, q, kv = shape.dim, shape.ffn_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     assert pp["token_macs"] == shape.n_layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
     assert pp["gmacs"] == pytest.approx(pp["token_macs"] * pp["median_ts"] / 1e9)
+    # Q8_0 weights: the q, k, v and down projections take each token as a precise pair, two int8 rows
+    assert pp["pair_macs"] == shape.n_layers * (d * q + 2 * d * kv + f * d)
+    assert pp["run_gmacs"] == pytest.approx((pp["token_macs"] + pp["pair_macs"]) * pp["median_ts"] / 1e9)
     peak = report["int8_peak"]
     if peak is not None:
         assert pp["of_peak"] == pytest.approx(pp["gmacs"] / (peak["gmacs_per_core"] * pp["threads"]))
+        assert pp["run_of_peak"] == pytest.approx(pp["run_gmacs"] / (peak["gmacs_per_core"] * pp["threads"]))
     mem = report["memory"][str(one["threads"])]
     assert mem["weights_bytes"] > 0 and mem["rss_growth_bytes"] > 0
     assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))

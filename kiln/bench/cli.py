@@ -121,11 +121,14 @@ def to_markdown(report: dict) -> str:
         macs = ""
         if r.get("gmacs") is not None:
             macs = f"{r['gmacs']:.0f}" + (f" ({100 * r['of_peak']:.0f}%)" if "of_peak" in r else "")
+            if r.get("pair_macs"):
+                macs += f"; run {r['run_gmacs']:.0f}" + (f" ({100 * r['run_of_peak']:.0f}%)" if "run_of_peak" in r else "")
         lines.append(f"| {r['test']} | {r['threads']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {host} | {bw} | {macs} |")
     lines += ["", f"{report['method']}; GB/s: bytes a decode step reads (packed weights, embedding rows, KV "
               "cache) at the median step time; of a split output head only the first pass, since how much of "
               "its low bits a step reads depends on the logits; GMAC/s: a prompt token's matrix products, each once "
-              "(not the output head, not attention, not precise activations' second rows) at the median rate"]
+              "(not the output head, not attention, not precise activations' second rows) at the median rate; run: "
+              "with the second rows, the products the kernels do"]
     peak = report.get("int8_peak")
     if peak:
         lines[-1] += f", of the {peak['unit']} int8 peak ({peak['gmacs_per_core']:.0f} GMAC/s a core x threads)."

@@ -35,6 +35,7 @@ class PerfResult:
     host_fraction: float | None = None  # decode only: share of wall time outside the native call
     step_bytes: float | None = None  # decode only: mean bytes one step reads (weights, embedding rows, KV)
     token_macs: int | None = None  # prefill only: multiply-accumulates of a token's matrix products
+    pair_macs: int | None = None  # prefill only: those the second rows of its precise activations add
 
     @property
     def samples_ts(self) -> list[float]:
@@ -51,6 +52,9 @@ class PerfResult:
             "gb_s": None if self.step_bytes is None else self.step_bytes * self.n_tokens / (statistics.median(ns) / 1e9) / 1e9,
             "token_macs": self.token_macs,
             "gmacs": None if self.token_macs is None else self.token_macs * statistics.median(ts) / 1e9,
+            "pair_macs": self.pair_macs,
+            "run_gmacs": None if self.token_macs is None else
+            (self.token_macs + self.pair_macs) * statistics.median(ts) / 1e9,
         }
 
 
@@ -76,7 +80,7 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
 
     if n_prompt and batch == 1:
         r = PerfResult(_label("pp", n_prompt, depth, 1), engine.threads, depth, 1, n_prompt,
-                       token_macs=token_macs(engine, vocab))
+                       token_macs=token_macs(engine, vocab), pair_macs=pair_macs(engine))
         for rep in range(reps + 1):
             fill_depth()
             tokens = rng.integers(0, vocab, n_prompt).tolist()
@@ -125,6 +129,33 @@ def token_macs(engine, vocab: int) -> int:
     used = {name: e.n_used for e in getattr(engine.config, "experts", ()) for name in (e.gate, e.up, e.down)}
     return sum(lay["rows"] * lay["cols"] * used.get(name, 1) for name, lay in engine.weights.layouts.items()
                if lay["rows"] != vocab)
+
+
+def pair_macs(engine) -> int:
+    """Multiply-accumulates the second rows of a prompt token's precise activations add (csrc/ops.h): the
+    integer matrices of the q/k/v projections and of the down projections (a MOE op's experts a token uses
+    and its shared expert) take each token as two rows. Where the prefill's time goes beside token_macs."""
+    from kiln.native import kernels as K
+    from kiln.trace import kind_names
+
+    mats = {m.address: m.layout for m in engine.weights.mats.values()}
+    experts = {id(t): engine.weights.matrix(name).layout for name, t in engine.weights.expert_tables.items()}
+    names = kind_names()
+
+    def products(layout, times: int = 1) -> int:
+        return layout["rows"] * layout["cols"] * times if K.act_kind(layout["fmt"]) == K.ActKind.Q8 else 0
+
+    total = 0
+    for op in engine.prefill_plan.ops:
+        kind = names[op["kind"]]
+        if not op.get("precise") or kind not in ("QKV", "MATMUL", "MOE"):
+            continue
+        if kind == "MOE":
+            total += products(experts[id(op["exp_down"])], op["n_used"])
+            total += products(mats[op["sh_down"]]) if op.get("sh_down") in mats else 0
+        else:
+            total += sum(products(mats[op[key]]) for key in ("w", "wq", "wk", "wv") if op.get(key) in mats)
+    return total
 
 
 # The int8 unit each kernel variant's prefill runs on (kiln validate's peaks).
@@ -205,6 +236,7 @@ def run(model_ref: str, n_prompt: int, n_gen: int, threads: list[int], depths: l
             r["of_plain_read"] = r["gb_s"] / reads[r["threads"]]["gb_s"]
         if r["gmacs"] is not None and peak:
             r["of_peak"] = r["gmacs"] / (peak * r["threads"])
+            r["run_of_peak"] = r["run_gmacs"] / (peak * r["threads"])
     return {
         **about, "backend": "native", "tokens": tokens,
         "method": ("random token ids" if tokens == "random" else "decode: each sequence's greedy continuation "
