@@ -188,19 +188,22 @@ ALWAYS void store_rows(float *y, __m128 v, int n) {
 }
 
 /* ---- Several tokens: rows in pairs ----
-   A pair's unpacked weights are regrouped once per group into 8 vectors of one chunk of each row (row r
-   low, row r+1 high), so a token's chunk, broadcast to both halves, gives one vector of 16 lanes holding
-   both rows' block sums: no fold per token, and the offset, convert, scale and FMA that dot() spends per
-   row and token run once per pair. Each lane's integer sum is dot()'s and the float steps are in dot()'s
-   order: the same bits. The regrouping serves every token. Q6_K keeps dot(). */
+   A pair's unpacked weights are regrouped once per group into 8 vectors, row r in the low half and row r+1
+   in the high: for chunks c, c+1 (c even) one holds (r: c, r+1: c+1) and the other (r: c+1, r+1: c). A
+   token's chunks c and c+1 loaded as one vector meet the first, and with its halves swapped the second, so
+   16 lanes gather both rows' block sums: no fold per token, and the offset, convert, scale and FMA that
+   dot() spends per row and token run once per pair. A 256-bit broadcast load of each chunk instead costs
+   Zen 4 more than the load and one swap (docs/PERF.md). Each lane's integer sum is dot()'s and the float
+   steps are in dot()'s order: the same bits. The regrouping serves every token. Q6_K keeps dot(). */
 ALWAYS __m512 both(__m256 lo, __m256 hi) { return _mm512_castsi512_ps(halves(_mm256_castps_si256(lo), _mm256_castps_si256(hi))); }
 ALWAYS __m512 bcast8(const uint8_t *p) { return _mm512_castsi512_ps(_mm512_broadcast_i64x4(ld256(p))); }
 
-/* Chunk c of rows r and r+1 (prep() holds chunks 2i, 2i+1 of a row in w[i]). */
+/* Chunks 2i, 2i+1 of rows r, r+1 as (r: 2i, r+1: 2i+1) and (r: 2i+1, r+1: 2i); prep() holds chunks 2i, 2i+1
+   of a row in w[i]. */
 ALWAYS void chunks_by_pair(const wrow *w0, const wrow *w1, __m512i pw[8]) {
     for (int i = 0; i < 4; i++) {
-        pw[2 * i] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0x44);
-        pw[2 * i + 1] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0xEE);
+        pw[2 * i] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0xE4);
+        pw[2 * i + 1] = _mm512_shuffle_i64x2(w0->w[i], w1->w[i], 0x4E);
     }
 }
 
@@ -210,12 +213,12 @@ ALWAYS __m512i neg_offset(kiln_wfmt f, const uint8_t *ag) {
     return _mm512_broadcast_i64x4(offset(f, _mm256_setzero_si256(), ag));
 }
 
-/* Both pairs' block sums for one token, corrected: each broadcast chunk of the token serves the two pairs;
-   even and odd chunks in separate chains (half the dependent latency). */
+/* Both pairs' block sums for one token, corrected: each of the token's chunk pairs, as loaded and swapped,
+   serves the two pairs; the two orders in separate chains (half the dependent latency). */
 ALWAYS void dpsum_pairs(__m512i pw[2][8], const uint8_t *ag, __m512i init, __m512i out[2]) {
     __m512i e[2] = {init, init}, o[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int c = 0; c < 8; c += 2) {
-        __m512i xe = _mm512_broadcast_i64x4(ld256(ag + 32 * c)), xo = _mm512_broadcast_i64x4(ld256(ag + 32 * (c + 1)));
+        __m512i xe = ld512(ag + 32 * c), xo = _mm512_shuffle_i64x2(xe, xe, 0x4E);
         for (int pr = 0; pr < 2; pr++) {
             e[pr] = _mm512_dpbusd_epi32(e[pr], pw[pr][c], xe);
             o[pr] = _mm512_dpbusd_epi32(o[pr], pw[pr][c + 1], xo);
