@@ -629,6 +629,35 @@ def test_bench_reports_rates_bytes_and_memory(tiny, home, capsys):
     assert mem["growth_over_weights_kv"] == pytest.approx(mem["rss_growth_bytes"] / (mem["weights_bytes"] + mem["kv_bytes"]))
 
 
+def test_pair_macs_leave_out_the_steps_amx_tiles_take(tiny, monkeypatch):
+    """On AMX a step of amx_min_tokens rows or more sums each precise pair into one bf16 row, so only the
+    prompt's shorter steps run second rows; elsewhere every step does."""
+    from kiln.bench.perf import pair_macs
+    from kiln.engine.native import NativeEngine
+    from kiln.gguf import GGUFFile
+    from kiln.models import family_for
+    from kiln.native import kernels as K
+    from kiln.synth import SHAPES
+
+    g = GGUFFile(tiny)
+    engine = NativeEngine(g, family_for(g), n_ctx=1024, n_slots=1, threads=1)
+    shape = SHAPES["tiny-llama"]
+    d, f, q, kv = shape.dim, shape.ffn_dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    every = shape.n_layers * (d * q + 2 * d * kv + f * d)
+    rows, batch, least = engine.limits.rows, engine.limits.batch, 64
+    tail = (batch + least) // 2  # a last step on the prefill plan, too short for the tiles
+    assert batch < tail < least <= rows
+    prompt = 2 * rows + tail
+    monkeypatch.setattr(K, "amx_min_tokens", lambda: least)
+    monkeypatch.setattr(K, "active_isa", lambda: "avx512")
+    assert pair_macs(engine, prompt) == every
+    monkeypatch.setattr(K, "active_isa", lambda: "amx")
+    assert pair_macs(engine, prompt) == pytest.approx(every * tail / prompt)
+    assert pair_macs(engine, least) == 0
+    assert pair_macs(engine, batch) == every  # the decode plan's step: int8 rows
+    engine.close()
+
+
 def test_bench_greedy_tokens_feed_each_sequence_its_argmax(tiny, home, capsys):
     """`--tokens greedy`: every decode step after the first feeds each sequence the argmax of its last logits."""
     from kiln.bench import perf

@@ -35,7 +35,7 @@ class PerfResult:
     host_fraction: float | None = None  # decode only: share of wall time outside the native call
     step_bytes: float | None = None  # decode only: mean bytes one step reads (weights, embedding rows, KV)
     token_macs: int | None = None  # prefill only: multiply-accumulates of a token's matrix products
-    pair_macs: int | None = None  # prefill only: those the second rows of its precise activations add
+    pair_macs: float | None = None  # prefill only, a token's mean: those the second rows of its precise activations add
 
     @property
     def samples_ts(self) -> list[float]:
@@ -80,7 +80,7 @@ def bench_engine(engine, vocab: int, n_prompt: int, n_gen: int, depth: int, batc
 
     if n_prompt and batch == 1:
         r = PerfResult(_label("pp", n_prompt, depth, 1), engine.threads, depth, 1, n_prompt,
-                       token_macs=token_macs(engine, vocab), pair_macs=pair_macs(engine))
+                       token_macs=token_macs(engine, vocab), pair_macs=pair_macs(engine, n_prompt))
         for rep in range(reps + 1):
             fill_depth()
             tokens = rng.integers(0, vocab, n_prompt).tolist()
@@ -131,10 +131,12 @@ def token_macs(engine, vocab: int) -> int:
                if lay["rows"] != vocab)
 
 
-def pair_macs(engine) -> int:
-    """Multiply-accumulates the second rows of a prompt token's precise activations add (csrc/ops.h): the
-    integer matrices of the q/k/v projections and of the down projections (a MOE op's experts a token uses
-    and its shared expert) take each token as two rows. Where the prefill's time goes beside token_macs."""
+def pair_macs(engine, n_prompt: int) -> float:
+    """Multiply-accumulates the second rows of a prompt token's precise activations add (csrc/ops.h), a mean
+    over the prompt's steps: the integer matrices of the q/k/v projections and of the down projections (a
+    MOE op's experts a token uses and its shared expert) take each token as two rows. Where the prefill's
+    time goes beside token_macs. On AMX a step of amx_min_tokens rows or more runs its QKV and MATMUL ops
+    on bf16 tiles, which sum each pair into one row (kiln_job_tiles in csrc/plan.c): no second rows there."""
     from kiln.native import kernels as K
     from kiln.trace import kind_names
 
@@ -142,20 +144,40 @@ def pair_macs(engine) -> int:
     experts = {id(t): engine.weights.matrix(name).layout for name, t in engine.weights.expert_tables.items()}
     names = kind_names()
 
-    def products(layout, times: int = 1) -> int:
-        return layout["rows"] * layout["cols"] * times if K.act_kind(layout["fmt"]) == K.ActKind.Q8 else 0
+    def q8(layout) -> bool:
+        return K.act_kind(layout["fmt"]) == K.ActKind.Q8
 
-    total = 0
+    def products(layout, times: int = 1) -> int:
+        return layout["rows"] * layout["cols"] * times if q8(layout) else 0
+
+    def on_tiles(kind: str, op) -> bool:
+        if kind == "MATMUL":
+            return op.get("w") in mats and q8(mats[op["w"]])
+        if kind == "QKV" and op["q_act"] == op["k_act"] == op["v_act"]:
+            ws = [mats[op[key]] for key in ("wq", "wk", "wv")]
+            return all(q8(w) and w["cols"] == ws[0]["cols"] for w in ws)
+        return False
+
+    every = tiled = 0
     for op in engine.prefill_plan.ops:
         kind = names[op["kind"]]
         if not op.get("precise") or kind not in ("QKV", "MATMUL", "MOE"):
             continue
         if kind == "MOE":
-            total += products(experts[id(op["exp_down"])], op["n_used"])
-            total += products(mats[op["sh_down"]]) if op.get("sh_down") in mats else 0
+            n = products(experts[id(op["exp_down"])], op["n_used"])
+            n += products(mats[op["sh_down"]]) if op.get("sh_down") in mats else 0
         else:
-            total += sum(products(mats[op[key]]) for key in ("w", "wq", "wk", "wv") if op.get(key) in mats)
-    return total
+            n = sum(products(mats[op[key]]) for key in ("w", "wq", "wk", "wv") if op.get(key) in mats)
+        every += n
+        tiled += n if on_tiles(kind, op) else 0
+    least = K.amx_min_tokens()
+    if not tiled or K.active_isa() != "amx" or least is None or n_prompt < 1:
+        return float(every)
+    # the prompt's steps as NativeEngine.forward takes them; a step of `batch` rows or fewer runs the decode plan
+    rows, batch = engine.limits.rows, engine.limits.batch
+    steps = [min(rows, n_prompt - i) for i in range(0, n_prompt, rows)]
+    on_amx = sum(s for s in steps if s > batch and s >= least)
+    return every - tiled * on_amx / n_prompt
 
 
 # The int8 unit each kernel variant's prefill runs on (kiln validate's peaks).

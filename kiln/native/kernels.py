@@ -44,6 +44,11 @@ def active_isa() -> str:
     return ISAS[_native.isa_active()]
 
 
+def amx_min_tokens() -> int | None:
+    """Rows from which a step's integer matmuls run on AMX tiles where the CPU has them (None off x86)."""
+    return _native.amx_min_tokens()
+
+
 def isa_missing(name: str) -> str | None:
     """The first CPU feature `name` needs that this CPU lacks, or None if it is usable."""
     return _native.isa_missing(_isa_index(name))
