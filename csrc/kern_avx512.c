@@ -14,7 +14,7 @@
 #include "kernels.h"
 
 #define ALWAYS static inline __attribute__((always_inline))
-#define TB 16 /* tokens per block */
+#define TB 32 /* most tokens per block */
 #define TC 8  /* tiles per block */
 
 typedef struct {
@@ -454,9 +454,11 @@ ALWAYS void run(kiln_wfmt f, const kiln_wmat *w, const uint8_t *act, int n_tok, 
         }
         return;
     }
+    /* rows of 4 groups or more unpack each group once per 32 tokens; shorter rows ran slower so (docs/PERF.md) */
+    int tb = w->cols >= 4 * KILN_GROUP ? TB : TB / 2;
     for (int tc = tile0; tc < tile1; tc += TC)
-        for (int t0 = 0; t0 < n_tok; t0 += TB) {
-            int n = n_tok - t0 < TB ? n_tok - t0 : TB;
+        for (int t0 = 0; t0 < n_tok; t0 += tb) {
+            int n = n_tok - t0 < tb ? n_tok - t0 : tb;
             for (int ti = tc; ti < tile1 && ti < tc + TC; ti++) {
                 const uint8_t *tile = w->data + ti * w->tile_bytes;
                 float *yt = y + (size_t)t0 * ldy + 4 * ti;

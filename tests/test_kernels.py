@@ -191,11 +191,14 @@ def test_isa_variants_agree_bit_for_bit(t):
             assert np.array_equal(a, b), ctx(t.name, what, f"{first} vs {name}")
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=("narrow", "wide"))
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
-def test_deterministic_and_batch_invariant(t, isa):
-    """Bit-identical on repeat, and a token's result does not depend on the tokens beside it."""
+def test_deterministic_and_batch_invariant(t, isa, wide):
+    """Bit-identical on repeat, and a token's result does not depend on the tokens beside it. Wide rows of
+    4 groups or more take the AVX-512 kernel's longer token blocks."""
     rng = rng_for("det", t)
-    rows, cols, n = 13, 512 if t in K_TYPES else 640, 40  # 40 tokens: more than one token block
+    cols = 1024 if wide else 512 if t in K_TYPES else 640
+    rows, n = 13, 40  # 40 tokens: more than one token block
     raw = random_weights(t, rows, cols, rng)
     pm = K.pack(t, raw, rows, cols)
     x = activations(t, n, cols, rng)
