@@ -58,6 +58,8 @@ class RayOptions:
     store: str | None = None  # a store every replica shares (a network path); None: each node's own KILN_HOME
     pull: bool = True  # a replica whose store lacks the model pulls it from the catalog (sha256-verified)
     affinity: bool = True  # route by prompt prefix; False: least loaded only
+    stream_interval: float = 0.04  # seconds: with several responses streaming from a replica, each sends at most
+    # one message to the ingress this often (a lone one sends every chunk at once); 0: every chunk at once
     api_key: str | None = None
     cors: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)
@@ -96,6 +98,8 @@ class RayOptions:
             raise KilnError(f"--min-replicas ({self.min_replicas}) is more than --max-replicas ({self.max_replicas})")
         if self.target_ongoing <= 0:
             raise KilnError("--target-ongoing must be positive")
+        if not 0 <= self.stream_interval <= 1:
+            raise KilnError(f"--stream-interval must be between 0 and 1000 ms, not {self.stream_interval * 1e3:g}")
         if self.kv_cache is not None:
             from kiln.engine.kv import kv_cache_type
 
@@ -187,6 +191,7 @@ class KilnReplica:
         favour_engine_thread()  # beside Ray's own threads as beside the server's event loop
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.stream_interval, self.streaming = o.stream_interval, 0
         store = Store(o.store) if o.store else Store()
         if o.pull:
             await asyncio.to_thread(store.ensure, o.model, False)
@@ -231,6 +236,9 @@ class KilnReplica:
                  "query_string": request["query"], "root_path": "", "headers": request["headers"],
                  "client": request["client"], "server": request["server"], "state": {}}
         task = asyncio.create_task(self.app(scope, receive, send))
+        loop = asyncio.get_running_loop()
+        sent, opening = float("-inf"), 2  # a response's opening messages (a role chunk, the first token) go at once
+        self.streaming += 1
         try:
             while True:
                 message = await _next(messages, task)
@@ -242,16 +250,22 @@ class KilnReplica:
                     yield message["status"], headers
                 elif message["type"] == "http.response.body":
                     chunks, more = [message.get("body", b"")], message.get("more_body", False)
-                    # what the app sent meanwhile crosses to the ingress as one message (each of Ray's costs)
+                    # Each Ray message costs this process and the ingress CPU that the replicas' steps need: with
+                    # other responses streaming, this one's chunks wait out the interval and cross together.
+                    wait = sent + self.stream_interval - loop.time()
+                    if more and self.streaming > 1 and wait > 0 and not opening:
+                        await asyncio.sleep(wait)
                     while more and not messages.empty():  # after the start, ASGI sends only body messages
                         message = messages.get_nowait()
                         chunks.append(message.get("body", b""))
                         more = message.get("more_body", False)
                     if any(chunks):
+                        sent, opening = loop.time(), max(opening - 1, 0)
                         yield b"".join(chunks)
                     if not more:
                         return
         finally:
+            self.streaming -= 1
             gone.set()
             try:
                 await asyncio.wait_for(task, timeout=5)

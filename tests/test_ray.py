@@ -278,6 +278,9 @@ def test_serve_run_arguments_are_typed_and_checked():
     options = RayOptions.from_args({"model": "m", "kv_cache": "q8_0", "max_loaded": "2", "max_body_bytes": "1048576"})
     assert (options.kv_cache, options.max_loaded, options.max_body_bytes, options.max_upload_bytes) == \
         ("q8_0", 2, 1048576, None)
+    assert RayOptions.from_args({"model": "m", "stream_interval": "0"}).stream_interval == 0.0
+    with pytest.raises(KilnError, match="--stream-interval must be between 0 and 1000 ms, not 2000"):
+        RayOptions.from_args({"model": "m", "stream_interval": "2"})
     with pytest.raises(KilnError, match="'q5' is not a KV cache type"):
         RayOptions.from_args({"model": "m", "kv_cache": "q5"})
     with pytest.raises(KilnError, match="--max-loaded must be at least 1"):
@@ -304,3 +307,40 @@ def test_the_application_builds_with_fixed_or_autoscaled_replicas():
     assert isinstance(app({"model": "smollm2:135m", "replicas": "3", "threads": "2"}), Application)
     assert isinstance(app({"model": "smollm2:135m", "min_replicas": "1", "max_replicas": "4", "target_ongoing": "3"}),
                       Application)  # Ray refuses num_replicas beside autoscaling, and mistyped bounds
+
+
+def _relayed(stream_interval: float, others: int) -> list[bytes]:
+    """The messages a replica hands Ray for an app that streams 20 chunks 5 ms apart, with `others`
+    responses streaming beside it."""
+    import asyncio
+
+    from kiln.ray import KilnReplica
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(20):
+            await send({"type": "http.response.body", "body": b"%d," % i, "more_body": True})
+            await asyncio.sleep(0.005)
+        await send({"type": "http.response.body", "body": b"end", "more_body": False})
+
+    bare = type("BareReplica", (KilnReplica,), {"__del__": lambda self: None})  # no lifespan to leave
+    replica = object.__new__(bare)  # its app only: no Ray, no model
+    replica.app, replica.replica_id, replica.stream_interval, replica.streaming = app, "r", stream_interval, others
+    request = {"method": "POST", "path": "/v1/chat/completions", "query": b"", "headers": [], "body": b"{}",
+               "client": None, "server": None}
+
+    async def collect():
+        return [item async for item in replica.forward(request)]
+
+    items = asyncio.run(collect())
+    assert items[0] == (200, [(b"x-kiln-replica", b"r")]) and replica.streaming == others
+    assert b"".join(items[1:]) == b"".join(b"%d," % i for i in range(20)) + b"end"  # every byte, in order
+    return items[1:]
+
+
+def test_under_load_a_replica_sends_each_response_once_an_interval():
+    alone = _relayed(0.04, others=0)
+    assert len(alone) >= 20  # a lone response: every chunk as the app sends it
+    assert len(_relayed(0.0, others=1)) >= 20
+    grouped = _relayed(0.04, others=1)  # ~100 ms of chunks beside another response: ~3 messages after the first two
+    assert grouped[:2] == [b"0,", b"1,"] and len(grouped) <= 6, grouped

@@ -82,8 +82,9 @@ def test_errors_take_the_shape_of_each_api(make_client):
                                            (["--parallel", "0"], "--parallel must be at least 1"),
                                            (["--max-queue", "-1"], "--max-queue must be >= 0"),
                                            (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1"),
-                                           (["--replicas", "2", "--no-affinity", "--ray-proxy"],
-                                            "--replicas, --no-affinity, --ray-proxy: not used without --ray"),
+                                           (["--replicas", "2", "--no-affinity", "--ray-proxy", "--stream-interval", "0"],
+                                            "--replicas, --no-affinity, --ray-proxy, --stream-interval: not used "
+                                            "without --ray"),
                                            (["m", "--draft-model", "d", "--max-memory", "1G", "--ray"],
                                             "--max-memory, --draft-model: not used with --ray")])
 def test_kiln_serve_refuses_bad_options_before_binding(flags, message, capsys):
