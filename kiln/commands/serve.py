@@ -75,7 +75,7 @@ def register(sub) -> None:
                      help="replicas do not pull a model their store lacks from the catalog")
     ray.add_argument("--no-affinity", dest="affinity", action="store_false",
                      help="route to the least loaded replica only, not to the one holding the prompt's prefix")
-    ray.add_argument("--stream-interval", type=float, default=40.0, metavar="MS",
+    ray.add_argument("--stream-interval", type=float, metavar="MS",
                      help="while several responses stream from a replica, each sends its chunks to the endpoint at "
                           "most once per MS milliseconds, together (a lone response streams every chunk at once); "
                           "0: every chunk at once (default 40)")
@@ -148,7 +148,7 @@ def unused_flags(args) -> list[str]:
         given = {"--replicas": args.replicas != 1, "--min-replicas": args.min_replicas is not None,
                  "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing != 2.0,
                  "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity,
-                 "--ray-proxy": args.ray_proxy, "--stream-interval": args.stream_interval != 40.0}
+                 "--ray-proxy": args.ray_proxy, "--stream-interval": args.stream_interval is not None}
     else:
         given = {"--max-memory": args.max_memory is not None, "--draft": args.draft is not None,
                  "--draft-model": args.draft_model is not None, "--draft-max": args.draft_max is not None,
@@ -181,9 +181,10 @@ def serve_on_ray(args) -> int:
                          prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull, affinity=args.affinity,
                          api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts, host=args.host,
                          port=args.port, kv_cache=args.kv_cache, max_loaded=args.max_loaded,
-                         stream_interval=args.stream_interval / 1e3,
                          max_body_bytes=parse_size(args.max_body_bytes, "--max-body-bytes"),
                          max_upload_bytes=parse_size(args.max_upload_bytes, "--max-upload-bytes"))
+    if args.stream_interval is not None:  # unset: RayOptions' default
+        options.stream_interval = args.stream_interval / 1e3
     options.check()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
