@@ -344,3 +344,19 @@ def test_under_load_a_replica_sends_each_response_once_an_interval():
     assert len(_relayed(0.0, others=1)) >= 20
     grouped = _relayed(0.04, others=1)  # ~100 ms of chunks beside another response: ~3 messages after the first two
     assert grouped[:2] == [b"0,", b"1,"] and len(grouped) <= 6, grouped
+
+
+def test_kiln_serve_ray_flags_left_out_keep_the_options_defaults():
+    from kiln.cli import build_parser
+    from kiln.commands.serve import ray_options
+    from kiln.ray import RayOptions
+
+    def options(*flags):
+        return ray_options(build_parser().parse_args(["serve", "m", "--ray", *flags]))
+
+    default, chosen = RayOptions(model="m"), options("--replicas", "3", "--target-ongoing", "1.5",
+                                                     "--stream-interval", "0")
+    assert (options().replicas, options().target_ongoing, options().stream_interval) == \
+        (default.replicas, default.target_ongoing, default.stream_interval)
+    assert (chosen.replicas, chosen.target_ongoing, chosen.stream_interval) == (3, 1.5, 0.0)
+    assert options("--max-replicas", "4").max_replicas == 4  # --replicas left out is not a fixed count

@@ -65,10 +65,10 @@ def register(sub) -> None:
     ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="serve MODEL from replicas on Ray: on a new local Ray instance, or the cluster at ADDRESS "
                           "(HOST:PORT, auto, ray://HOST:PORT); name MODEL before this flag")
-    ray.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model set (default 1)")
+    ray.add_argument("--replicas", type=int, help="replicas, each with its own model set (default 1)")
     ray.add_argument("--min-replicas", type=int, help="autoscale: the fewest replicas (default 1 with --max-replicas)")
     ray.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (instead of --replicas)")
-    ray.add_argument("--target-ongoing", type=float, default=2.0,
+    ray.add_argument("--target-ongoing", type=float,
                      help="autoscale: the ongoing requests per replica to aim for (default 2)")
     ray.add_argument("--store", help="a model store every replica reads (a shared path); default: each node's KILN_HOME")
     ray.add_argument("--no-pull", dest="pull", action="store_false",
@@ -145,8 +145,8 @@ def unused_flags(args) -> list[str]:
     """The flags given that the chosen server would not read: Ray's without --ray; with it, the
     single server's that a replica's app does not take (RayOptions)."""
     if args.ray is None:
-        given = {"--replicas": args.replicas != 1, "--min-replicas": args.min_replicas is not None,
-                 "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing != 2.0,
+        given = {"--replicas": args.replicas is not None, "--min-replicas": args.min_replicas is not None,
+                 "--max-replicas": args.max_replicas is not None, "--target-ongoing": args.target_ongoing is not None,
                  "--store": args.store is not None, "--no-pull": not args.pull, "--no-affinity": not args.affinity,
                  "--ray-proxy": args.ray_proxy, "--stream-interval": args.stream_interval is not None}
     else:
@@ -154,6 +154,24 @@ def unused_flags(args) -> list[str]:
                  "--draft-model": args.draft_model is not None, "--draft-max": args.draft_max is not None,
                  "--ngram": args.ngram is not None}
     return [flag for flag, present in given.items() if present]
+
+
+def ray_options(args):
+    """RayOptions from `kiln serve --ray`'s flags, checked: only the flags given; the others keep its defaults."""
+    from kiln.ray import RayOptions
+
+    interval = None if args.stream_interval is None else args.stream_interval / 1e3
+    chosen = {name: value for name, value in (("replicas", args.replicas), ("target_ongoing", args.target_ongoing),
+                                             ("stream_interval", interval)) if value is not None}
+    options = RayOptions(model=args.model or "", min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         threads=args.threads, parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue,
+                         backend=args.backend, prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull,
+                         affinity=args.affinity, api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts,
+                         host=args.host, port=args.port, kv_cache=args.kv_cache, max_loaded=args.max_loaded,
+                         max_body_bytes=parse_size(args.max_body_bytes, "--max-body-bytes"),
+                         max_upload_bytes=parse_size(args.max_upload_bytes, "--max-upload-bytes"), **chosen)
+    options.check()
+    return options
 
 
 def serve_on_ray(args) -> int:
@@ -166,7 +184,7 @@ def serve_on_ray(args) -> int:
     from ray import serve
 
     from kiln.errors import KilnError
-    from kiln.ray import KilnFront, RayOptions, build, build_replicas
+    from kiln.ray import KilnFront, build, build_replicas
 
     address = None if args.ray == "local" else args.ray
     if address is not None and address != "auto" and ":" not in address:
@@ -175,17 +193,7 @@ def serve_on_ray(args) -> int:
     if address is not None and not args.model:
         raise KilnError(f"--ray took {address!r} as the cluster's address, and no model is named: name the model "
                         "before --ray")
-    options = RayOptions(model=args.model or "", replicas=args.replicas, min_replicas=args.min_replicas,
-                         max_replicas=args.max_replicas, target_ongoing=args.target_ongoing, threads=args.threads,
-                         parallel=args.parallel, ctx_len=args.ctx_len, max_queue=args.max_queue, backend=args.backend,
-                         prefill_chunk=args.prefill_chunk, store=args.store, pull=args.pull, affinity=args.affinity,
-                         api_key=args.api_key, cors=args.cors, allowed_hosts=args.allowed_hosts, host=args.host,
-                         port=args.port, kv_cache=args.kv_cache, max_loaded=args.max_loaded,
-                         max_body_bytes=parse_size(args.max_body_bytes, "--max-body-bytes"),
-                         max_upload_bytes=parse_size(args.max_upload_bytes, "--max-upload-bytes"))
-    if args.stream_interval is not None:  # unset: RayOptions' default
-        options.stream_interval = args.stream_interval / 1e3
-    options.check()
+    options = ray_options(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     # a new local instance listens where the server does: only on loopback unless --host says otherwise
