@@ -196,7 +196,7 @@ def test_a_killed_repack_leaves_nothing_after_the_next_start(store):
     assert len(temps(cache)) == 1
     running = cache / f"packed.bin.{os.getpid()}-0.kiln-tmp"  # a load still writing is left alone
     running.write_bytes(b"")
-    store.installed()  # what `kiln serve` and `kiln list` start with
+    store.clean_stale()  # what `kiln serve` and `kiln list` start with
     assert temps(cache) == [running]
     running.unlink()
 
@@ -206,6 +206,24 @@ def test_a_killed_repack_leaves_nothing_after_the_next_start(store):
     assert not model.engine.weights.from_cache and temps(cache) == []
     assert (cache / "packed.bin").is_file() and (cache / "packed.json").is_file()
     model.close()
+
+
+def test_the_server_start_cleans_every_cache_and_listings_only_read(store):
+    """A killed repack of a model the server does not load is cleaned when it starts; the listings it answers
+    read the store without walking every cache directory."""
+    from fastapi.testclient import TestClient
+
+    from kiln.server.app import create_app
+    from kiln.server.runtime import Settings
+
+    cache = store.cache_dir(store.resolve("m"))
+    assert subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING], env=os.environ).returncode == -9
+    assert len(temps(cache)) == 1
+    store.installed()
+    assert len(temps(cache)) == 1
+    with TestClient(create_app(Settings(threads=1), store=store), base_url="http://localhost") as client:
+        assert temps(cache) == []
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [r.tag for r in store.installed()]
 
 
 def test_check_reports_a_damaged_cache_and_removes_it(store, capsys):

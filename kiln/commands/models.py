@@ -132,7 +132,9 @@ def cmd_list(args) -> int:
 
     from kiln.store import Store
 
-    rows = list_rows(Store(), args.filter)
+    store = Store()
+    store.clean_stale()
+    rows = list_rows(store, args.filter)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -49,6 +49,7 @@ def create_app(settings: Settings, *, api_key: str | None = None, cors: list[str
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(runtime.store.clean_stale)  # what killed pulls and repacks left
         tasks = [asyncio.create_task(runtime.reap())]
         if preload:
             runtime.loading = preload  # from the start: /health is 503 until it is loaded

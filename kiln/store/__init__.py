@@ -141,7 +141,7 @@ class Store:
         return sorted(alias for alias, target in self._aliases.items() if target == tag)
 
     def installed(self) -> list[ModelRecord]:
-        self._clean_stale()
+        """The installed models, damaged ones with their `problem`; reading only (`clean_stale` tidies)."""
         return [self._record_from_manifest(tag, self._manifest_path(tag)) for tag in self._manifest_tags()]
 
     def resolve(self, name_or_path: str) -> ModelRecord:
@@ -400,7 +400,7 @@ class Store:
 
     @contextlib.contextmanager
     def _pull_dir(self) -> Iterator[Path]:
-        self._clean_stale()
+        self.clean_stale()
         root = self.home / "tmp"
         root.mkdir(parents=True, exist_ok=True)
         path = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
@@ -409,9 +409,10 @@ class Store:
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def _clean_stale(self) -> None:
+    def clean_stale(self) -> None:
         """Remove what killed pulls left in tmp/, and killed repacks in cache/; what processes still running
-        (live pid) are writing stays."""
+        (live pid) are writing stays. `kiln list`, the server's start and every pull do it: it reads every
+        cache directory, too slow for each listing a server answers."""
         for cache in (self.home / "cache").glob("*/"):
             clean_temps(cache)
         root = self.home / "tmp"
